@@ -1,0 +1,302 @@
+"""Specification of GradCache: `cached_loss(...).backward()` gives the full-batch gradients, whatever the chunks."""
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from gcbs_lib import gradcache
+from gcbs_lib.check import relative_error, tolerance
+from gcbs_lib.gradcache import RandContext, cached_loss
+from gcbs_lib.losses import LogitScale, info_nce, late_interaction_loss
+from gcbs_lib.models import TinyTextEncoder, random_token_batch
+
+BATCH, LENGTH, VOCAB = 6, 10, 50
+CHUNK_SIZES = [1, 4, BATCH, BATCH + 5]  # one row, a non-divisor, the batch, more than the batch
+VARIANTS = ["plain", "hard_negatives", "symmetric", "logit_scale", "colbert"]
+
+
+@dataclass
+class Setup:
+    loss_fn: object
+    encoders: object
+    batches: list
+    params: list
+
+    def encoder_list(self):
+        return self.encoders if isinstance(self.encoders, list) else [self.encoders] * len(self.batches)
+
+    def full_batch_loss(self, chunk_size=None):
+        """The plain loss with a graph over the whole batch (optionally encoded chunk by chunk, same masks)."""
+        outputs = []
+        for encoder, batch in zip(self.encoder_list(), self.batches):
+            step = chunk_size or gradcache.batch_length(batch)
+            chunks = [encoder(gradcache.slice_batch(batch, i, i + step))
+                      for i in range(0, gradcache.batch_length(batch), step)]
+            outputs.append(torch.cat(chunks) if isinstance(chunks[0], torch.Tensor)
+                           else tuple(torch.cat(parts) for parts in zip(*chunks)))
+        return self.loss_fn(*outputs)
+
+    def grads_of(self, loss):
+        for p in self.params:
+            p.grad = None
+        loss.backward()
+        return [p.grad.clone() for p in self.params]
+
+
+def make_setup(variant="plain", shared=False, dtype=torch.float64, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    make = partial(TinyTextEncoder, vocab_size=VOCAB, dim=16, heads=2, layers=2, max_length=LENGTH,
+                   dropout=dropout, multi_vector=variant == "colbert")
+    encoders = make().to(dtype) if shared else [make().to(dtype), make().to(dtype)]
+    generator = torch.Generator().manual_seed(seed + 1)
+    n_docs = 3 * BATCH if variant == "hard_negatives" else BATCH
+    batches = [random_token_batch(BATCH, LENGTH, VOCAB, generator), random_token_batch(n_docs, LENGTH, VOCAB, generator)]
+    scale = LogitScale().to(dtype)
+    loss_fn = {
+        "plain": partial(info_nce, scale=20.0),
+        "hard_negatives": partial(info_nce, scale=20.0),
+        "symmetric": partial(info_nce, scale=20.0, symmetric=True),
+        "logit_scale": partial(info_nce, scale=scale),
+        "colbert": partial(late_interaction_loss, scale=2.0),
+    }[variant]
+    modules = ([encoders] if shared else encoders) + ([scale] if variant == "logit_scale" else [])
+    params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
+    return Setup(loss_fn, encoders, batches, params)
+
+
+def max_relative_error(grads, reference):
+    return max(relative_error(g, r) for g, r in zip(grads, reference))
+
+
+# ---- equivalence with the full batch -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
+@pytest.mark.parametrize("shared", [False, True], ids=["two_encoders", "shared_encoder"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_gradients_equal_the_full_batch_gradients(dtype, variant, shared, chunk_size):
+    setup = make_setup(variant, shared, dtype)
+    reference = setup.grads_of(setup.full_batch_loss())
+    grads = setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, chunk_size))
+    assert max_relative_error(grads, reference) <= tolerance(dtype)
+
+
+def test_the_loss_value_equals_the_full_batch_loss():
+    setup = make_setup("symmetric")
+    torch.testing.assert_close(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4),
+                               setup.full_batch_loss(), rtol=1e-13, atol=0)
+
+
+def test_a_learnable_logit_scale_gets_its_full_batch_gradient():
+    setup = make_setup("logit_scale")
+    scale_index = len(setup.params) - 1
+    reference = setup.grads_of(setup.full_batch_loss())[scale_index]
+    grad = setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))[scale_index]
+    assert reference.abs() > 0 and relative_error(grad, reference) <= 1e-12
+
+
+# ---- dropout replay ------------------------------------------------------------------------------------------
+
+def record_outputs(encoders):
+    """Forward hooks that record every encoder output, in call order."""
+    calls = []
+
+    def hook(module, args, output):
+        calls.append([t.detach().clone() for t in gradcache._flatten(output)[0]])
+
+    handles = [e.register_forward_hook(hook) for e in dict.fromkeys(encoders)]
+    return calls, handles
+
+
+def first_pass_and_replays(setup, chunk_size):
+    """Run cached_loss and its backward; return the recorded first-pass and replay outputs."""
+    calls, handles = record_outputs(setup.encoder_list())
+    setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, chunk_size))
+    for handle in handles:
+        handle.remove()
+    half = len(calls) // 2
+    return calls[:half], calls[half:]
+
+
+def test_dropout_is_active_so_two_train_mode_forwards_differ():
+    setup = make_setup(dropout=0.1)
+    encoder = setup.encoder_list()[0]
+    assert not torch.equal(encoder(setup.batches[0]), encoder(setup.batches[0]))
+
+
+@pytest.mark.parametrize("variant", ["plain", "colbert"])
+def test_replayed_chunk_embeddings_are_bitwise_equal_to_the_first_pass(variant):
+    first, replays = first_pass_and_replays(make_setup(variant, dropout=0.1), chunk_size=4)
+    assert len(first) == len(replays) == 4
+    assert all(torch.equal(a, b) for f, r in zip(first, replays) for a, b in zip(f, r))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["two_encoders", "shared_encoder"])
+def test_with_dropout_gradients_equal_a_reference_using_the_same_masks(shared):
+    setup = make_setup("symmetric", shared, dropout=0.1)
+    torch.manual_seed(123)
+    reference = setup.grads_of(setup.full_batch_loss(chunk_size=4))
+    torch.manual_seed(123)
+    grads = setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))
+    assert max_relative_error(grads, reference) <= 1e-12
+
+
+class NoReplay:
+    """A RandContext that restores nothing: the negative control for dropout replay."""
+
+    def __init__(self, *tensors):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_without_rng_replay_the_replay_differs_and_gradients_are_wrong(monkeypatch):
+    monkeypatch.setattr(gradcache, "RandContext", NoReplay)
+    setup = make_setup(dropout=0.1)
+    torch.manual_seed(123)
+    reference = setup.grads_of(setup.full_batch_loss(chunk_size=4))
+    torch.manual_seed(123)
+    first, replays = first_pass_and_replays(setup, chunk_size=4)
+    assert not any(torch.equal(f[0], r[0]) for f, r in zip(first, replays))
+    torch.manual_seed(123)
+    grads = setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))
+    assert max_relative_error(grads, reference) > 1e-3
+
+
+def test_rand_context_replays_the_captured_state_and_leaves_the_stream_untouched():
+    torch.manual_seed(0)
+    context = RandContext(torch.zeros(1))
+    first = torch.rand(5)
+    after_first = torch.get_rng_state()
+    with context:
+        assert torch.equal(torch.rand(5), first)
+    assert torch.equal(torch.get_rng_state(), after_first)
+
+
+# ---- autograd behaviour ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [1 / 2, 1 / 4, 2.0**16])
+def test_scaling_the_loss_scales_every_gradient(scale):
+    setup = make_setup("logit_scale")
+    grads = setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))
+    scaled = setup.grads_of(scale * cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))
+    assert all(torch.equal(s, scale * g) for s, g in zip(scaled, grads))
+
+
+def test_under_no_grad_it_returns_the_loss_and_adds_no_gradients():
+    setup = make_setup("logit_scale")
+    with torch.no_grad():
+        loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+        expected = setup.full_batch_loss()
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, expected, rtol=1e-13, atol=0)
+    assert all(p.grad is None for p in setup.params)
+
+
+def test_two_forwards_then_one_backward_give_the_sum_of_the_gradients():
+    first, second = make_setup(seed=0), make_setup(seed=5)
+    second.encoders, second.params = first.encoders, first.params  # same model, another batch
+    grads_first = first.grads_of(cached_loss(first.loss_fn, first.encoders, first.batches, 4))
+    grads_second = first.grads_of(cached_loss(first.loss_fn, first.encoders, second.batches, 4))
+    both = first.grads_of(cached_loss(first.loss_fn, first.encoders, first.batches, 4)
+                          + cached_loss(first.loss_fn, first.encoders, second.batches, 4))
+    assert max_relative_error(both, [a + b for a, b in zip(grads_first, grads_second)]) <= 1e-12
+
+
+def test_dict_entries_that_are_not_tensors_pass_through_to_every_chunk():
+    setup = make_setup()
+    seen = []
+    encoder = setup.encoders[0]
+    handle = encoder.register_forward_pre_hook(lambda module, args: seen.append(args[0]["texts"]))
+    setup.batches[0] = dict(setup.batches[0], texts=["a text"] * BATCH)
+    cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4).backward()
+    handle.remove()
+    assert seen == [["a text"] * BATCH] * 4
+
+
+# ---- mixed precision -----------------------------------------------------------------------------------------
+
+def bf16_setup():
+    return make_setup("symmetric", dtype=torch.float32, dropout=0.1)
+
+
+def test_bf16_autocast_replays_bitwise_and_matches_a_bf16_full_batch():
+    setup = bf16_setup()
+    torch.manual_seed(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = setup.full_batch_loss(chunk_size=4)
+    reference = setup.grads_of(loss)
+    calls, handles = record_outputs(setup.encoder_list())
+    torch.manual_seed(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+    grads = setup.grads_of(loss)
+    [h.remove() for h in handles]
+    first, replays = calls[:4], calls[4:]
+    assert all(torch.equal(f[0], r[0]) for f, r in zip(first, replays))
+    assert max_relative_error(grads, reference) <= 2e-2
+
+
+def test_without_autocast_replay_bf16_embeddings_differ(monkeypatch):
+    monkeypatch.setattr(gradcache, "_ambient_autocast", lambda: [])
+    setup = bf16_setup()
+    calls, handles = record_outputs(setup.encoder_list())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+    setup.grads_of(loss)
+    [h.remove() for h in handles]
+    assert not any(torch.equal(f[0], r[0]) for f, r in zip(calls[:4], calls[4:]))
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+
+def test_an_empty_batch_is_refused():
+    setup = make_setup()
+    setup.batches[1] = gradcache.slice_batch(setup.batches[1], 0, 0)
+    with pytest.raises(ValueError, match="branch 1 is an empty batch"):
+        cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5])
+def test_a_chunk_size_that_is_not_a_positive_integer_is_refused(chunk_size):
+    setup = make_setup()
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        cached_loss(setup.loss_fn, setup.encoders, setup.batches, chunk_size)
+
+
+def test_branches_of_lengths_the_loss_cannot_pair_are_refused():
+    setup = make_setup()
+    setup.batches[1] = gradcache.slice_batch(setup.batches[1], 0, BATCH - 1)
+    with pytest.raises(ValueError, match="5 documents for 6 queries"):
+        cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+
+
+def test_nan_embeddings_are_refused_naming_branch_and_rows():
+    setup = make_setup()
+
+    class NaNAfterRow(nn.Module):
+        def forward(self, batch):
+            out = setup.encoders[1](batch)
+            return out.masked_fill(torch.arange(len(out))[:, None] >= 1, float("nan"))
+
+    with pytest.raises(FloatingPointError, match=r"branch 1, rows 0:4: .*NaN"):
+        cached_loss(setup.loss_fn, [setup.encoders[0], NaNAfterRow()], setup.batches, 4)
+
+
+def test_one_encoder_per_branch_must_match_the_number_of_branches():
+    setup = make_setup()
+    with pytest.raises(ValueError, match="3 encoders for 2 branches"):
+        cached_loss(setup.loss_fn, setup.encoders + setup.encoders[:1], setup.batches, 4)
+
+
+def test_dict_entries_of_different_lengths_are_refused():
+    setup = make_setup()
+    setup.batches[0]["attention_mask"] = setup.batches[0]["attention_mask"][:-1]
+    with pytest.raises(ValueError, match="different lengths"):
+        cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
