@@ -41,7 +41,7 @@ sync-check: $(STAMP)  ## fail when a notebook's .py and .ipynb differ
 reproduce: $(STAMP)  ## run every notebook with papermill (CPU CI profile) into runs/<timestamp>/
 	mkdir -p $(RUN_DIR)
 	for nb in $(NOTEBOOKS); do \
-	  $(BIN)/papermill --cwd notebooks --log-output "$$nb" "$(RUN_DIR)/$$(basename $$nb)" || exit 1; \
+	  $(BIN)/papermill --cwd notebooks "$$nb" "$(RUN_DIR)/$$(basename $$nb)" || exit 1; \
 	done
 	@echo "Executed notebooks and their results are in $(RUN_DIR)/"
 
