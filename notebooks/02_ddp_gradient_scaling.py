@@ -1,0 +1,294 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     notebook_metadata_filter: kernelspec,jupytext
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · DDP gradient scaling: negatives from every rank, and the exact full-batch gradient
+#
+# With W data-parallel ranks of B pairs each, a contrastive loss should use all $N = W\!\cdot\!B$ pairs as
+# negatives, and its gradient should be the one a single process would get on the whole batch. Public code
+# disagrees on how to get there. The GradCache training document this kit follows writes the final gradient as
+#
+# > `final_grad = (1/W) Σ_r [W × d(CE_r)/dθ]`
+#
+# i.e. multiply each rank's cross-entropy by W, then let DDP average over ranks. Whether that is right depends
+# on a detail the formula does not show: **what the all-gather does in the backward**. This notebook derives
+# the answer, checks it on virtual ranks in one process, then measures it on real processes (gloo on CPU by
+# default; `papermill -p backend nccl -p nproc 8 -p device cuda` on a GPU node).
+
+# %% tags=["parameters"]
+nproc = 2                # ranks (W)
+backend = "gloo"         # "nccl" on GPUs, one GPU per rank
+device = "cpu"
+per_rank = 4             # pairs on each rank (B)
+chunk_size = 2           # GradCache chunk: several replays per step, only one may synchronise
+dropout = 0.1
+seed = 0
+timeout = 300            # seconds before a launched job is stopped
+profile = "ci"
+
+# %%
+import torch
+
+from gcbs_lib.check import cmp_table, compare
+from gcbs_lib.ddp_experiments import (CONVENTIONS, ScalingSetup, StepResult, build_models, encode_ranks,
+                                      full_batch_step, gradient_ratio, misbehave, scaling_runs, virtual_step)
+from gcbs_lib.distributed import LaunchError, VirtualRanks, launch, rank_info_nce
+
+W = nproc
+setup = ScalingSetup(per_rank=per_rank, chunk_size=chunk_size, dropout=dropout, seed=seed, device=device)
+print(f"W={W} ranks × B={per_rank} pairs = N={W * per_rank}; backend={backend}, device={device}, dropout={dropout}")
+
+# %% [markdown]
+# ## 1 · What each rank must compute
+#
+# The single-process loss over all N pairs averages a per-query term $\ell_i$ that scores query $i$ against
+# every document. Grouping the queries by the rank that holds them,
+#
+# $$ \mathcal L = \frac1N \sum_{i=1}^{N} \ell_i = \frac1W \sum_{r=1}^{W} \mathcal L_r ,\qquad
+#    \mathcal L_r = \frac1B \sum_{i \in r} \ell_i \quad\text{(rank } r\text{'s share)} . $$
+#
+# Every embedding $z_j$ (query or document) is made by the rank that holds row $j$, and only that rank has the
+# graph for $\partial z_j/\partial\theta$. The chain rule through the embeddings gives
+#
+# $$ \frac{d\mathcal L}{d\theta} = \sum_j \frac{\partial \mathcal L}{\partial z_j}\frac{\partial z_j}{\partial\theta}
+#    = \frac1W \sum_j \Big(\sum_r \frac{\partial \mathcal L_r}{\partial z_j}\Big)
+#      \frac{\partial z_j}{\partial\theta} . $$
+#
+# So the rank $s$ that holds row $j$ must receive $G_j = \sum_r \partial\mathcal L_r/\partial z_j$: every rank's
+# gradient for that row, summed — a **reduce-scatter**, which is exactly the backward of `gather_with_grad`.
+# Rank $s$'s backward then produces $g_s = \sum_{j\in s} G_j\,\partial z_j/\partial\theta$, and
+#
+# $$ \sum_s g_s = \sum_j \sum_r \frac{\partial\mathcal L_r}{\partial z_j}\frac{\partial z_j}{\partial\theta}
+#    = W\,\frac{d\mathcal L}{d\theta}
+#    \quad\Longrightarrow\quad \text{DDP's mean } \frac1W\sum_s g_s = \frac{d\mathcal L}{d\theta}. $$
+#
+# **No factor is needed.** Now read the document's formula with $d(CE_r)/d\theta = g_r$:
+# $\frac1W \sum_r W g_r = \sum_r g_r = W\, d\mathcal L/d\theta$ — **W times too large**.
+
+# %% [markdown]
+# ### When is "× W" right?
+#
+# When the gather's backward **drops the other ranks' gradients**: an all-gather without gradient that puts the
+# rank's own rows back (GradCache's `DistributedContrastiveLoss`, Tevatron, open_clip without
+# `gather_with_grad`), or MIL-NCE's `AllGather`, whose backward returns the rank's own slice. Then each rank
+# takes the *global* loss $\mathcal L$:
+# $g_r = \sum_{j\in r} \partial\mathcal L/\partial z_j \,\partial z_j/\partial\theta$, so
+# $\sum_r g_r = d\mathcal L/d\theta$ and DDP's mean is $\frac1W d\mathcal L/d\theta$; multiplying by W restores it
+# (Tevatron's "counter average weight reduction"). But a learnable logit scale $s$ is not gathered: every rank
+# computes $\partial\mathcal L/\partial s$ in full, so × W makes *its* gradient W times too large. And with the
+# rank share $\mathcal L_r$ instead of $\mathcal L$, the terms $\partial\mathcal L_{r'}/\partial z_j$ with $r'\ne r$
+# are lost: a rank's documents never learn from being negatives elsewhere, and the gradient is not a multiple.
+#
+# | convention | gather backward | loss on rank r | encoder | logit scale |
+# |---|---|---|---|---|
+# | **kit** | sum over ranks | $\mathcal L_r$ | 1 | 1 |
+# | loss × W | sum over ranks | $W\mathcal L_r$ | W | W |
+# | gather without grad | own rows | $\mathcal L$ | 1/W | 1 |
+# | gather without grad, × W | own rows | $W\mathcal L$ | 1 | W |
+# | MIL-NCE AllGather | own rows | $\mathcal L$ | 1/W | 1 |
+# | gather without grad, rank share | own rows | $\mathcal L_r$ | not a multiple | 1 |
+#
+# With Adam a uniform factor is mostly absorbed by the normalisation; it still changes SGD, gradient clipping
+# thresholds, the weight-decay balance, and a factor that differs between parameters (encoder vs logit scale).
+
+# %%
+predicted = {"kit": (1, 1), "loss_x_W": (W, W), "no_grad": (1 / W, 1), "no_grad_x_W": (1, W),
+             "milnce": (1 / W, 1), "no_grad_share": (None, 1)}  # (encoder, logit scale); None: not a multiple
+reference = full_batch_step(setup, W)
+print(f"single-process reference: loss {reference.loss:.6f} over {W * per_rank} pairs")
+
+# %% [markdown]
+# ## 2 · Virtual ranks: the arithmetic in one process
+#
+# `VirtualRanks` keeps one list entry per rank and writes each collective as tensor arithmetic. Each rank
+# encodes its own shard of the batch (chunk by chunk, under its own dropout seed, as `cached_loss` does on a
+# real rank):
+
+# %%
+ranks = VirtualRanks(W)
+encoder, scale = build_models(setup)
+local = encode_ranks(encoder, ranks, setup)  # [(queries of rank r, documents of rank r) for each rank r]
+print(f"each rank holds {tuple(local[0][0].shape)} query and {tuple(local[0][1].shape)} document embeddings")
+
+# %% [markdown]
+# All-gather: every rank gets its own copy of all N embeddings and takes its share $\mathcal L_r$. The mean of
+# the shares is the global loss:
+
+# %%
+all_queries, all_docs = ranks.all_gather([q for q, _ in local]), ranks.all_gather([d for _, d in local])
+shares = [rank_info_nce(all_queries[r], all_docs[r], scale, setup.symmetric, rank=r, world_size=W) for r in range(W)]
+to_queries, to_docs, to_scale = zip(*(torch.autograd.grad(share, (all_queries[r], all_docs[r], scale.log_scale))
+                                      for r, share in enumerate(shares)))
+mean_share, full_loss = torch.stack(shares).mean(), torch.tensor(reference.loss, dtype=torch.float64)
+print(cmp_table([compare("mean of the shares L_r vs L", mean_share, full_loss)]))
+
+# %% [markdown]
+# Each rank now holds $\partial\mathcal L_r/\partial z_j$ for **all** rows. The reduce-scatter sends row $j$'s
+# sum over ranks to the rank that made it; that rank back-propagates it through its own encoder graph; DDP
+# averages the parameter gradients:
+
+# %%
+own_queries, own_docs = ranks.reduce_scatter(list(to_queries)), ranks.reduce_scatter(list(to_docs))
+parameters = list(encoder.parameters())
+per_rank_grads = []
+for r in range(W):  # rank r back-propagates the gradient of the rows it made, through its own graph
+    grads = torch.autograd.grad(local[r], parameters, (own_queries[r], own_docs[r]))
+    per_rank_grads.append(torch.cat([g.flatten() for g in grads]))
+walkthrough = {"encoder": ranks.all_reduce_mean(per_rank_grads),
+               "logit_scale": ranks.all_reduce_mean(list(to_scale)).reshape(1)}
+print(cmp_table([compare(name, walkthrough[name], reference.grads[name], rtol=1e-10) for name in walkthrough]))
+
+# %% [markdown]
+# The full-batch gradient, to rounding. `virtual_step` packages these lines for every convention: the gather's
+# backward (sum over ranks, or own rows only), the loss each rank takes, and the factor W.
+
+# %%
+virtual = {name: virtual_step(name, setup, W) for name in CONVENTIONS}
+walkthrough_is_kit = all(torch.equal(virtual["kit"].grads[k], walkthrough[k]) for k in walkthrough)
+print("virtual_step('kit') equals the walkthrough bitwise:", walkthrough_is_kit)
+
+
+# %%
+def ratio_table(steps):
+    """Measured gradient ratio to the full-batch reference, per convention and parameter group."""
+    print(f"{'convention':<44} {'encoder':>8} {'multiple':>9} {'scale':>6}   predicted (encoder, scale)")
+    for name, step in steps.items():
+        (encoder_ratio, residual), (scale_ratio, _) = (gradient_ratio(step.grads[k], reference.grads[k])
+                                                       for k in ("encoder", "logit_scale"))
+        expected = ", ".join("not a multiple" if p is None else f"{p:.3f}" for p in predicted[name])
+        print(f"{CONVENTIONS[name].label:<44} {encoder_ratio:>8.3f} {residual <= 1e-10!s:>9} {scale_ratio:>6.3f}   "
+              f"{expected}")
+
+
+ratio_table(virtual)
+
+# %% [markdown]
+# ## 3 · Real processes
+#
+# The same step on W real processes, through `launch`, which runs `python -m torch.distributed.run
+# --standalone --nproc_per_node=W` on a function of `gcbs_lib` (a notebook cannot hand its own functions to child
+# processes), streams the ranks' output here, and returns rank 0's result. On every rank `ddp_step` wraps the
+# encoder in `DistributedDataParallel`, counts its gradient all-reduces with a communication hook, runs GradCache
+# (`cached_loss`) with the convention's gather and loss, and averages the logit scale with
+# `all_reduce_gradients`. The same job checks `gather_with_grad` itself.
+#
+# *Multi-node:* call `launch(..., nnodes=2, rdzv_endpoint="node0:29400")` with the same arguments on every node.
+
+# %%
+runs = scaling_runs(setup)
+job = launch("gcbs_lib.ddp_experiments:distributed_checks", nproc=nproc, backend=backend, timeout=timeout,
+             args={"runs": runs, "device": device})
+real = {run["convention"]: StepResult.from_json(result) for run, result in zip(runs, job["runs"])}
+ratio_table(real)
+
+# %% [markdown]
+# The measured ratios are the predicted ones to rounding error, and every gradient is exactly that multiple of
+# the reference, except the last row's encoder gradient, which points elsewhere. The kit's step against the
+# reference, real ranks against virtual ranks, and what the communication hook and the rank-sync check saw:
+
+# %%
+rows = [compare(f"kit {name} vs full batch", real["kit"].grads[name], reference.grads[name], rtol=1e-10)
+        for name in ("encoder", "logit_scale")]
+rows += [compare(f"{name}: real vs virtual", real[name].grads["encoder"], virtual[name].grads["encoder"], rtol=1e-10)
+         for name in CONVENTIONS]
+print(cmp_table(rows))
+for run, result in zip(runs, job["runs"]):
+    print(f"{run['convention']:<14} all-reduces {result['allreduce_calls']} ({result['allreduced_numel']} of "
+          f"{result['encoder_numel']} gradients), max difference between ranks {result['rank_difference']}")
+
+# %% [markdown]
+# One all-reduce per step although each rank replays `2 × per_rank / chunk_size` chunks: `cached_loss` replays
+# a DDP encoder under `no_sync()` except its last chunk. Zero difference between ranks: every rank ends with the
+# same bits (and the same check reports W − 1 when rank r holds gradient r). And `gather_with_grad` itself: its
+# forward is the concatenation, its backward the reduce-scatter, and ranks holding different shapes all raise
+# (instead of one of them hanging in the collective):
+
+# %%
+gather, helpers = job["gather"], job["gradients"]
+print(f"forward vs concatenation: rel err {gather['forward_error']:.1e}; "
+      f"backward vs reduce-scatter: rel err {gather['backward_error']:.1e}")
+print(f"raised on {gather['mismatch_raised_on']} of {W} ranks: {gather['mismatch_error'][:90]}…")
+print(f"gradient_rank_difference when rank r holds r: {helpers['unsynced_difference']}; "
+      f"all_reduce_gradients of r + 1: {helpers['averaged']}")
+
+# %% [markdown]
+# When a rank fails, the launcher stops the whole job and raises with that rank's traceback, instead of leaving
+# the other ranks waiting in a collective:
+
+# %%
+failure = None
+try:
+    launch(misbehave, nproc=nproc, backend=backend, timeout=timeout, args={"rank": nproc - 1}, echo=False)
+except LaunchError as error:
+    failure = error
+    print(f"LaunchError: rank {failure.rank}, exit code {failure.returncode}; the traceback ends with")
+    print("\n".join(str(failure).splitlines()[-2:]))
+
+# %% [markdown]
+# ## 4 · The recipe, and how it composes with GradCache
+#
+# ```python
+# encoder = DistributedDataParallel(encoder)        # one module for both branches: one all-reduce per step
+# scale = LogitScale()                              # inside the loss, outside DDP
+# loss = cached_loss(lambda q, d: rank_info_nce(gather_with_grad(q), gather_with_grad(d), scale, symmetric=True),
+#                    encoder, [queries, docs], chunk_size)
+# loss.backward()
+# all_reduce_gradients(scale.parameters())          # DDP does not see it
+# optimizer.step()
+# ```
+#
+# * **No factor W**, and no global loss on every rank: each rank takes its share $\mathcal L_r$.
+# * The gather sits in GradCache's **step 2**: `loss_fn` receives this rank's cached embeddings (no graph) and
+#   gathers everyone's. In `loss.backward()` the reduce-scatter delivers $G_j=\sum_r\partial\mathcal L_r/\partial z_j$
+#   for this rank's rows, and **step 3** replays only this rank's chunks with it, under `no_sync()` except the last
+#   chunk, whose backward runs DDP's single all-reduce (the mean over ranks).
+# * Memory per rank: one chunk's graph plus the gathered `[N, D]` embeddings and their gradients.
+# * `loss` is this rank's share; log the mean over ranks. `gradient_rank_difference(parameters)` after
+#   `backward()` checks, in any training loop, that the ranks agree (0.0 means bitwise).
+# * If you must keep a gather without gradient, multiply the global loss by W **and** divide the logit scale's
+#   gradient by W — or switch to the recipe above.
+
+# %% [markdown]
+# ## Checks
+
+# %%
+kit_exact = all(compare(k, real["kit"].grads[k], reference.grads[k], rtol=1e-10).allclose for k in reference.grads)
+real_is_virtual = all(compare(n, real[n].grads[k], virtual[n].grads[k], rtol=1e-10).allclose
+                      for n in CONVENTIONS for k in reference.grads)
+measured = {name: tuple(gradient_ratio(step.grads[k], reference.grads[k]) for k in ("encoder", "logit_scale"))
+            for name, step in real.items()}
+ratios_as_predicted = all(
+    (expected is None and residual > 1e-2) or (abs(ratio - expected) <= 1e-10 * expected and residual <= 1e-10)
+    for name, pairs in measured.items() for (ratio, residual), expected in zip(pairs, predicted[name]))
+one_allreduce = all(r["allreduce_calls"] == 1 and r["allreduced_numel"] == r["encoder_numel"] for r in job["runs"])
+ranks_bitwise = all(r["rank_difference"] == 0.0 for r in job["runs"])
+gather_ok = gather["forward_error"] == 0.0 and gather["backward_error"] <= 1e-15 and gather["mismatch_raised_on"] == W
+helpers_ok = helpers["unsynced_difference"] == W - 1 and helpers["averaged"] == [(W + 1) / 2] * 2
+assert kit_exact and real_is_virtual and ratios_as_predicted and walkthrough_is_kit
+assert one_allreduce and ranks_bitwise and gather_ok and helpers_ok
+assert failure is not None and failure.rank == nproc - 1 and "failed on purpose" in str(failure)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"W = {W}, B = {per_rank}, chunk = {chunk_size}, dropout = {dropout}")
+for name, ((encoder_ratio, residual), (scale_ratio, _)) in measured.items():
+    encoder_text = f"{encoder_ratio:.3f}" if residual <= 1e-10 else "not a multiple"
+    print(f"{CONVENTIONS[name].label:<44} encoder {encoder_text:<15} logit scale {scale_ratio:.3f}")
+print("kit = full-batch gradient within 1e-10:", kit_exact, "| real ranks = virtual ranks:", real_is_virtual)
+print("ratios as derived:", ratios_as_predicted, "| one all-reduce per step:", one_allreduce,
+      "| ranks bitwise equal:", ranks_bitwise)
+print("gather_with_grad = concatenation / reduce-scatter, mismatch raised everywhere:", gather_ok,
+      "| sync check and all_reduce_gradients:", helpers_ok, "| failing rank surfaced:", failure is not None)
