@@ -7,6 +7,7 @@ import jupytext
 import nbformat
 import papermill
 import pytest
+import yaml
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SCRIPTS = sorted(NOTEBOOKS.glob("[0-9]*.py"))
@@ -69,3 +70,9 @@ def test_papermill_runs_notebook_01_with_injected_parameters(tmp_path):
     printed = "".join(o.get("text", "") for c in notebook.cells for o in c.get("outputs", []))
     assert "profile=smoke" in printed and "for chunk sizes [1, 7] : True" in printed
     assert json.dumps(notebook.metadata["papermill"]["parameters"]["chunk_sizes"]) == "[1, 7]"
+
+
+@pytest.mark.parametrize("profile", sorted((NOTEBOOKS / "params").glob("*.yaml")), ids=lambda p: p.name)
+def test_profile_files_only_set_parameters_their_notebook_has(profile):
+    notebook = NOTEBOOKS / (profile.name.split(".")[0] + ".ipynb")
+    assert set(yaml.safe_load(profile.read_text())) <= set(papermill.inspect_notebook(str(notebook)))
