@@ -1,0 +1,327 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     notebook_metadata_filter: kernelspec,jupytext
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Global Contrastive Batch Sampling (GCBS)
+#
+# With in-batch negatives, a contrastive model only ever sees the negatives that chance put in its batch,
+# and in a random batch most of them are easy. Sachidananda, Yang and Zhu (*Global Selection of Contrastive
+# Batches via Optimization on Sample Permutations*, ICML 2023) propose instead
+#
+# > "Global Contrastive Batch Sampling (GCBS), an efficient approximation to the batch assignment problem
+# > that upper bounds the gap between the global and training losses, $\mathcal{L}^{Global} -
+# > \mathcal{L}^{Train}$, in contrastive learning settings."
+#
+# and note that this bound depends only on "batch assignments, total samples $N$, and batch size $k$".
+# At each epoch start GCBS embeds every pair, keeps the most similar pairs (above a high quantile $q$ of the
+# similarities) as a sparse graph, and orders the data by **reverse Cuthill–McKee** (RCM), a classic
+# heuristic that makes a sparse matrix's bandwidth small. Cutting that order into batches puts hard negatives
+# together.
+#
+# This notebook derives the loss gap and why the graph's bandwidth bounds it, then measures it all on a
+# planted data set: the similarity matrix before and after RCM, the gap and the in-batch share of hard
+# neighbours for random vs GCBS batches across quantiles, and the cost of each stage against $N$.
+# The code lives in `gcbs_lib.gcbs`.
+
+# %% tags=["parameters"]
+device = "cpu"
+n_items = 2048
+dim = 32
+clusters = 64
+batch_size = 32
+temperature = 0.05
+quantiles = [0.99, 0.995, 0.999]
+top_k = 5
+n_seeds = 3
+seed = 0
+profile = "ci"
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gcbs_lib import gcbs
+from gcbs_lib.check import cmp_table, compare
+
+seeds = [seed + s for s in range(n_seeds)]
+cost_sizes = {"ci": [1000, 2000, 4000, 8000], "full": [5000, 10000, 20000, 30000]}[profile]
+torch.manual_seed(seed)
+z1, z2 = (z.to(device) for z in gcbs.synthetic_pairs(n_items, dim, clusters=clusters, seed=seed))
+print(f"{n_items} pairs in {clusters} planted clusters, d = {dim}, batches of {batch_size}, τ = {temperature}")
+
+# %% [markdown]
+# ## 1. The gap between the global and the in-batch loss
+#
+# Take $N$ pairs with unit embeddings $z^1_i, z^2_i$, similarities $S_{ij} = z^1_i \cdot z^2_j$ and
+# temperature $\tau$. The **global** InfoNCE loss scores each anchor against all $N$ candidates; training
+# only sees the candidates of the anchor's batch $B(i) \ni i$:
+#
+# $$\mathcal{L}^{Global} = \frac1N\sum_i -\log\frac{e^{S_{ii}/\tau}}{\sum_{j=1}^N e^{S_{ij}/\tau}},\qquad
+# \mathcal{L}^{Train} = \frac1N\sum_i -\log\frac{e^{S_{ii}/\tau}}{\sum_{j\in B(i)} e^{S_{ij}/\tau}}.$$
+#
+# The positive terms cancel in the difference:
+#
+# $$\mathcal{L}^{Global} - \mathcal{L}^{Train} = \frac1N\sum_i \Big[\log\sum_{j} e^{S_{ij}/\tau}
+#   - \log\sum_{j\in B(i)} e^{S_{ij}/\tau}\Big] = \frac1N\sum_i \log\big(1 + R_i\big),\quad
+#   R_i = \frac{\sum_{j\notin B(i)} e^{S_{ij}/\tau}}{\sum_{j\in B(i)} e^{S_{ij}/\tau}} \ge 0 .$$
+#
+# The gap is never negative, and it is large when the terms that dominate the global sum, the **hard
+# negatives** with a large $S_{ij}$, sit outside $i$'s batch. Only the batch assignment $B$ changes it.
+# `gcbs.loss_gap` computes it exactly (float64, row blocks); we check it against two cross-entropies.
+
+# %%
+def brute_force_gap(z1, z2, order, batch_size, temperature):
+    """L^Global − L^Train from two cross-entropies over the whole data and over each batch."""
+    logits = F.normalize(z1.double(), dim=1) @ F.normalize(z2.double(), dim=1).T / temperature
+    global_loss = F.cross_entropy(logits, torch.arange(len(z1)), reduction="sum")
+    train_loss = sum(F.cross_entropy(logits[b][:, b], torch.arange(len(b)), reduction="sum")
+                     for b in order.split(batch_size))
+    return (global_loss - train_loss) / len(z1)
+
+
+random_order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed))
+planted = gcbs.gcbs_order(z1, z2, quantiles[0], seed=seed)
+gaps = {name: gcbs.loss_gap(z1, z2, order, batch_size, temperature)
+        for name, order in [("random", random_order), ("GCBS", planted.order)]}
+print(cmp_table([compare(f"gap, {name} batches", torch.tensor(gaps[name], dtype=torch.float64),
+                         brute_force_gap(z1, z2, order, batch_size, temperature))
+                 for name, order in [("random", random_order), ("GCBS", planted.order)]]))
+print({name: round(gap, 3) for name, gap in gaps.items()})
+
+# %% [markdown]
+# ## 2. Why the bandwidth of the thresholded graph bounds the gap
+#
+# Since $i \in B(i)$, the denominator of $R_i$ is at least $e^{S_{ii}/\tau}$, and $\log(1+x) \le x$:
+#
+# $$\mathcal{L}^{Global} - \mathcal{L}^{Train} \;\le\; \frac1N\sum_i\sum_{j\notin B(i)} e^{(S_{ij}-S_{ii})/\tau}.$$
+#
+# Let $t$ be the $q$-quantile of the off-diagonal similarities and $G_t$ the graph with an edge $\{i, j\}$
+# when $S_{ij} > t$ or $S_{ji} > t$ ($i \ne j$: the positive pairs on the diagonal are no edges). A pair that
+# is no edge has $S_{ij} \le t$; an edge still has $S_{ij} \le 1$. With $c_i$ the number of $i$'s
+# neighbours outside its batch,
+#
+# $$\mathcal{L}^{Global} - \mathcal{L}^{Train} \;\le\; \frac1N\sum_i e^{-S_{ii}/\tau}\Big[(N - |B(i)|)\,e^{t/\tau}
+#   + c_i\, e^{1/\tau}\Big].$$
+#
+# The first term depends on $q$ and the batch size only. The order enters through the **cut edges**
+# $C = \frac12\sum_i c_i$, edges whose ends land in different batches, each costing up to
+# $e^{(1-t)/\tau}$ times a non-edge. Now order the items by $\pi$ and let the **bandwidth**
+# be $\beta = \max_{\{i,j\}\in G_t} |\pi(i) - \pi(j)|$. An edge is cut only if it straddles one of the
+# $\lceil N/k \rceil - 1$ batch boundaries with both ends within $\beta$ of it, and at most
+# $\beta(\beta+1)/2$ position pairs do, so
+#
+# $$C \;\le\; \Big(\big\lceil N/k \big\rceil - 1\Big)\,\frac{\beta(\beta+1)}{2}.$$
+#
+# A small bandwidth leaves few edges to cut. Minimising bandwidth exactly is NP-hard; RCM is the standard
+# fast heuristic, which is what GCBS runs. First the graph itself: the threshold is the *exact* quantile
+# (a radix selection on float32 bit patterns in row blocks, equal to numpy's default `linear` rule).
+
+# %%
+values = np.concatenate([b[np.isfinite(b)] for _, b in gcbs.similarity_blocks(z1, z2)]).astype(np.float64)
+threshold = planted.threshold
+print(cmp_table([compare("threshold vs np.quantile", torch.tensor(threshold, dtype=torch.float64),
+                         torch.tensor(np.quantile(values, quantiles[0])))]))
+threshold_exact = bool(threshold == np.quantile(values, quantiles[0]))
+target = (1 - quantiles[0]) * n_items * (n_items - 1)
+edge_error = abs(planted.edges - target) / target
+no_diagonal = bool(planted.graph.diagonal().sum() == 0)
+print(f"edges {planted.edges} vs (1−q)·N·(N−1) = {target:.0f}: relative error {edge_error:.1e}")
+print(f"undirected edges {planted.graph.nnz // 2}, diagonal edges: {planted.graph.diagonal().sum()}")
+
+# %% [markdown]
+# Each step of the chain, for the random and the GCBS order: the gap, both bounds on it, the bandwidth, the
+# cut edges and their bound.
+
+# %%
+def batch_ids(order):
+    """batch_of[i]: the batch of item i when the order is cut into batches."""
+    batch_of = torch.empty(n_items, dtype=torch.long)
+    batch_of[order] = torch.arange(n_items) // batch_size
+    return batch_of
+
+
+def gap_bounds(order, graph, t):
+    """The two upper bounds on the gap derived above, in float64."""
+    logits = (F.normalize(z1.double(), dim=1) @ F.normalize(z2.double(), dim=1).T) / temperature
+    batch_of = batch_ids(order)
+    positive, outside = logits.diagonal(), batch_of[:, None] != batch_of[None, :]
+    first = ((logits - positive[:, None]).exp() * outside).sum() / n_items
+    edges = torch.from_numpy(graph.toarray())
+    c = (edges & outside).sum(1)
+    second = ((-positive).exp() * ((n_items - (~outside).sum(1)) * np.exp(t / temperature)
+                                   + c * np.exp(1 / temperature))).sum() / n_items
+    return float(first), float(second), int(c.sum()) // 2
+
+
+# %%
+boundaries = -(-n_items // batch_size) - 1
+bounds_hold = {}
+for name, order in [("random", random_order), ("GCBS", planted.order)]:
+    first, second, cut = gap_bounds(order, planted.graph, threshold)
+    beta = gcbs.bandwidth(planted.graph, order)
+    cut_bound = boundaries * beta * (beta + 1) // 2
+    bounds_hold[name] = gaps[name] <= first <= second and cut <= cut_bound
+    print(f"{name:6}  gap {gaps[name]:.3f} ≤ {first:.3g} ≤ {second:.3g}   bandwidth {beta:4d}  "
+          f"cut edges {cut:5d} of {planted.graph.nnz // 2} ≤ {cut_bound}   all hold: {bounds_hold[name]}")
+
+
+# %% [markdown]
+# ## 3. The similarity matrix before and after RCM
+#
+# The planted clusters are scattered over the index order (left). In the GCBS order (middle) each cluster
+# is a block on the diagonal; the thresholded graph (right, first 256 items, grey lines at batch boundaries)
+# hugs the diagonal, mostly inside the batch squares.
+
+# %%
+similarity = (F.normalize(z1, dim=1) @ F.normalize(z2, dim=1).T).cpu()
+g = planted.order
+fig, axes = plt.subplots(1, 3, figsize=(12, 4), dpi=72)
+axes[0].imshow(similarity, cmap="viridis", vmin=-0.3, vmax=1)
+axes[1].imshow(similarity[g][:, g], cmap="viridis", vmin=-0.3, vmax=1)
+axes[2].spy(planted.graph[g.numpy()][:, g.numpy()][:256, :256], markersize=1.5, color="k")
+for edge in range(batch_size, 256, batch_size):
+    axes[2].axhline(edge - 0.5, color="0.7", lw=0.5)
+    axes[2].axvline(edge - 0.5, color="0.7", lw=0.5)
+for ax, title in zip(axes, ["S, index order", "S, GCBS order", f"graph q={quantiles[0]}, GCBS order"]):
+    ax.set_title(title)
+plt.show()
+
+# %% [markdown]
+# ## 4. Random vs GCBS batches across quantiles
+#
+# For each seed, both arms use the same planted data; the random arm shuffles, the GCBS arm orders by RCM
+# at each quantile. "Top-k share" is the share of each item's $k$ most similar other items that land in its
+# batch (a random order gives about $(k_B-1)/(N-1)$ for batch size $k_B$).
+
+# %%
+rows = []
+for s in seeds:
+    y1, y2 = gcbs.synthetic_pairs(n_items, dim, clusters=clusters, seed=s)
+    shuffled = torch.randperm(n_items, generator=torch.Generator().manual_seed(s))
+    arms = [("random", None, shuffled)] + [("GCBS", q, gcbs.gcbs_permutation(y1, y2, q, seed=s)) for q in quantiles]
+    for arm, q, order in arms:
+        rows.append(dict(seed=s, arm=arm, q=q, gap=gcbs.loss_gap(y1, y2, order, batch_size, temperature),
+                         share=gcbs.topk_batch_share(y1, y2, order, batch_size, k=top_k)))
+
+
+def mean_sd(arm, q, key):
+    values = np.array([r[key] for r in rows if r["arm"] == arm and r["q"] == q])
+    return values.mean(), values.std(ddof=1)
+
+
+print(f"{'arm':7} {'q':>6} | {'gap (mean ± sd)':>16} | {f'top-{top_k} share':>16}")
+for arm, q in [("random", None)] + [("GCBS", q) for q in quantiles]:
+    (g_m, g_s), (s_m, s_s) = mean_sd(arm, q, "gap"), mean_sd(arm, q, "share")
+    print(f"{arm:7} {q if q else '-':>6} | {g_m:8.3f} ± {g_s:5.3f} | {s_m:8.3f} ± {s_s:5.3f}")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+labels = {"gap": r"loss gap $\mathcal{L}^{Global} - \mathcal{L}^{Train}$", "share": f"top-{top_k} in-batch share"}
+for ax, (key, label) in zip(axes, labels.items()):
+    means, sds = zip(*[mean_sd("GCBS", q, key) for q in quantiles])
+    ax.errorbar(quantiles, means, yerr=sds, marker="o", capsize=3, label="GCBS")
+    r_mean, r_sd = mean_sd("random", None, key)
+    ax.axhspan(r_mean - r_sd, r_mean + r_sd, color="0.8")
+    ax.axhline(r_mean, color="0.4", ls="--", label="random batches")
+    ax.set_xlabel("quantile q")
+    ax.set_ylabel(label)
+    ax.legend()
+plt.show()
+
+# %%
+gap_lower = {q: bool(mean_sd("GCBS", q, "gap")[0] < mean_sd("random", None, "gap")[0]) for q in quantiles}
+share_ratio = {q: float(mean_sd("GCBS", q, "share")[0] / mean_sd("random", None, "share")[0]) for q in quantiles}
+gap_reduction = {q: float(1 - mean_sd("GCBS", q, "gap")[0] / mean_sd("random", None, "gap")[0]) for q in quantiles}
+print("GCBS gap below random:", gap_lower)
+print("gap reduction:", {q: f"{r:.0%}" for q, r in gap_reduction.items()})
+print("top-k share, GCBS / random:", {q: round(r, 1) for q, r in share_ratio.items()})
+
+# %% [markdown]
+# ## 5. Cost of each stage against N
+#
+# The stages of one epoch start: **embed** every pair (a linear encoder here, `embed_all`: eval mode, no
+# grad), **similarity** (two sweeps over $S$ in row blocks to find the exact quantile), **graph** (one more
+# sweep writing the edges straight into a sparse matrix) and **RCM**. The sweeps cost $O(N^2 d)$; the graph
+# and RCM are linear in the number of edges, $(1-q)N^2$. `bench/bench_gcbs.py` times $N$ up to 30k and
+# the published implementation.
+
+# %%
+encoder = torch.nn.Linear(dim, dim)
+costs = []
+for n in cost_sizes:
+    x1, x2 = gcbs.synthetic_pairs(n, dim, clusters=n // 32, seed=seed)
+    start = time.perf_counter()
+    e1, e2 = gcbs.embed_all(lambda idx: (encoder(x1[idx]), encoder(x2[idx])), n, model=encoder, progress=False)
+    embed_seconds = time.perf_counter() - start
+    result = gcbs.gcbs_order(e1, e2, quantiles[-1], seed=seed)
+    result.times.embed = embed_seconds
+    costs.append((n, result.times))
+    print(f"N = {n:6d}: " + ", ".join(f"{k} {v:.3f} s" for k, v in vars(result.times).items()))
+
+# %%
+fig, ax = plt.subplots(figsize=(6, 4))
+for stage in ["embed", "similarity", "graph", "rcm"]:
+    ax.loglog(cost_sizes, [getattr(t, stage) for _, t in costs], marker="o", label=stage)
+ax.loglog(cost_sizes, [t.total for _, t in costs], color="k", marker="s", label="total")
+ax.set_xlabel("N (pairs)")
+ax.set_ylabel("seconds")
+ax.set_title(f"GCBS epoch-start cost, d = {dim}, q = {quantiles[-1]}")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## 6. The batch sampler
+#
+# `GCBSBatchSampler` does all of this at each epoch start and hands a `DataLoader` its batches. Two more
+# things matter in practice. Identical texts embed identically, so RCM puts them side by side, where they
+# would be false negatives: with `keys` they never share a batch. Under DDP the sampler cuts *global*
+# batches and gives each rank a contiguous slice, so the gathered embeddings form the GCBS batch. Here with
+# two virtual ranks, and a quarter of the items duplicated:
+
+# %%
+keys = [i % (3 * n_items // 4) for i in range(n_items)]
+d1, d2 = z1[torch.tensor(keys)], z2[torch.tensor(keys)]
+samplers = [gcbs.GCBSBatchSampler(lambda idx: (d1[idx], d2[idx]), n_items, batch_size, "drop",
+                                  quantile=quantiles[0], keys=keys, seed=seed, rank=r, world_size=2,
+                                  progress=False) for r in range(2)]
+per_rank = [list(sampler) for sampler in samplers]
+global_batches = [a + b for a, b in zip(*per_rank)]
+no_duplicate_in_batch = all(len({keys[i] for i in b}) == batch_size for b in global_batches)
+every_item_once = sorted(sum(global_batches, [])) == list(range(n_items))
+print(f"{len(global_batches)} global batches, rank slices of {len(per_rank[0][0])}")
+print("no duplicate key in a batch:", no_duplicate_in_batch, "| every item once:", every_item_once)
+
+# %%
+assert threshold_exact
+assert edge_error < 0.01 and no_diagonal
+assert all(bounds_hold.values())
+assert all(gap_lower.values())
+assert share_ratio[quantiles[0]] > 5
+assert no_duplicate_in_batch and every_item_once
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("pairs, batch size, clusters:", n_items, batch_size, clusters)
+print("exact threshold equals np.quantile:", threshold_exact)
+print("edge count within 1% of (1-q)N(N-1):", edge_error < 0.01, "| no diagonal edges:", no_diagonal)
+print("gap below both bounds, cut edges below the bandwidth bound:", all(bounds_hold.values()))
+print("GCBS gap below random at every quantile:", all(gap_lower.values()))
+print(f"top-{top_k} share over 5x random at q={quantiles[0]}:", share_ratio[quantiles[0]] > 5)
+print("duplicates kept apart, every item once:", no_duplicate_in_batch and every_item_once)
