@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gcbs_lib.check import relative_error
 from gcbs_lib.distributed import (VirtualRanks, all_reduce_gradients, gather_multi_vector, gather_with_grad,
                                   gradient_rank_difference, rank_and_world_size, rank_info_nce)
-from gcbs_lib.gradcache import batch_length, cached_loss, slice_batch
+from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.losses import LogitScale, info_nce
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 
@@ -160,9 +160,7 @@ def encode_ranks(encoder: nn.Module, ranks: VirtualRanks, setup: ScalingSetup) -
     local = []
     for rank, shards in enumerate(zip(ranks.shard(queries), ranks.shard(docs))):
         torch.manual_seed(rank_seed(setup, rank))
-        local.append(tuple(torch.cat([encoder(slice_batch(batch, start, start + setup.chunk_size))
-                                      for start in range(0, batch_length(batch), setup.chunk_size)])
-                           for batch in shards))
+        local.append(tuple(encode_in_chunks(encoder, batch, setup.chunk_size) for batch in shards))
     return local
 
 
@@ -288,16 +286,15 @@ def gather_checks(rows: int = 3, dim: int = 4, seed: int = 0, device: str = "cpu
     gathered.backward(grad)
     everyone = [rank_tensors(r) for r in range(world_size)]
     reduce_scattered = sum(g for _, g in everyone)[rank * rows:(rank + 1) * rows]
-    try:
-        gather_with_grad(torch.zeros(rows + rank, dim, device=device))
-        mismatch_error = ""
-    except ValueError as error:
-        mismatch_error = str(error)
+    mismatch_error, dtype_error = (_raised(gather_with_grad, torch.zeros(rows + rank, dim, device=device)),
+                                   _raised(gather_with_grad, torch.zeros(rows, dim, device=device,
+                                                                         dtype=torch.float32 if rank else torch.float64)))
     vectors, mask = gather_multi_vector(torch.ones(rows, 2 + rank, dim, device=device),
                                         torch.ones(rows, 2 + rank, dtype=torch.bool, device=device))
     return {"forward_error": relative_error(gathered, torch.cat([t for t, _ in everyone])),
             "backward_error": relative_error(x.grad, reduce_scattered),
             "mismatch_raised_on": _count_over_ranks(bool(mismatch_error), x.device), "mismatch_error": mismatch_error,
+            "dtype_mismatch_raised_on": _count_over_ranks(bool(dtype_error), x.device), "dtype_error": dtype_error,
             "multi_vector_shape": list(vectors.shape), "multi_vector_real_tokens": int(mask.sum())}
 
 
@@ -312,13 +309,18 @@ def gradient_helper_checks(device: str = "cpu") -> dict:
     p.grad = torch.full_like(p, float(rank))
     unsynced = gradient_rank_difference([p])
     p.grad = p.grad if rank == 0 else None
-    try:
-        all_reduce_gradients([p])
-        missing_error = ""
-    except ValueError as error:
-        missing_error = str(error)
+    missing_error = _raised(all_reduce_gradients, [p])
     return {"averaged": averaged, "unsynced_difference": unsynced,
             "missing_raised_on": _count_over_ranks(bool(missing_error), p.device)}
+
+
+def _raised(function: Callable, *args) -> str:
+    """The message of the ValueError `function(*args)` raises ("" when it returns)."""
+    try:
+        function(*args)
+    except ValueError as error:
+        return str(error)
+    return ""
 
 
 def _count_over_ranks(flag: bool, device: torch.device) -> int:

@@ -18,6 +18,7 @@ processes) and returns rank 0's result.
 from __future__ import annotations
 
 import codecs
+import gc
 import importlib
 import json
 import os
@@ -54,16 +55,27 @@ def rank_and_world_size() -> tuple[int, int]:
 _MAX_DIMS = 8
 
 
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool]
+
+
 def _check_same_shape(x: torch.Tensor, world_size: int) -> None:
-    """Exchange shapes before gathering, so a mismatch raises the same error on every rank instead of hanging."""
+    """Exchange shapes and dtypes before gathering, so a mismatch raises the same error on every rank instead of
+    hanging or aborting in the collective."""
     shape = list(x.shape[:_MAX_DIMS])
-    mine = torch.tensor([x.dim(), *shape] + [-1] * (_MAX_DIMS - len(shape)), dtype=torch.int64, device=x.device)
+    dtype_code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+    mine = torch.tensor([x.dim(), dtype_code, *shape] + [-1] * (_MAX_DIMS - len(shape)), dtype=torch.int64,
+                        device=x.device)
     every = mine.new_empty(world_size * mine.numel())
     dist.all_gather_single(every, mine)
     rows = every.view(world_size, -1).tolist()
-    shapes = [tuple(row[1:1 + row[0]]) for row in rows]
-    if any(row[0] == 0 or row[0] > _MAX_DIMS for row in rows):
-        raise ValueError(f"gather_with_grad needs tensors with 1 to {_MAX_DIMS} dimensions; ranks hold {shapes}")
+    shapes = [tuple(row[2:2 + row[0]]) for row in rows]
+    dtypes = [str(_DTYPES[row[1]]) if row[1] < len(_DTYPES) else "other" for row in rows]
+    if any(row[0] == 0 or row[0] > _MAX_DIMS for row in rows) or "other" in dtypes:
+        raise ValueError(f"gather_with_grad needs tensors with 1 to {_MAX_DIMS} dimensions of a standard dtype; "
+                         f"ranks hold {shapes}, {dtypes}")
+    if len(set(dtypes)) > 1:
+        raise ValueError(f"gather_with_grad: ranks hold different dtypes {dtypes}")
     if len(set(shapes)) > 1:
         raise ValueError(f"gather_with_grad: ranks hold different shapes {shapes}; every rank must pass the same "
                          f"shape (drop incomplete last batches, or pad multi-vector outputs with gather_multi_vector)")
@@ -374,6 +386,8 @@ def _run_rank(target: str, workdir: str) -> None:
         result = function(**spec["args"])
         if rank == 0:
             (work / "result.json").write_text(json.dumps(result, default=_jsonable))
+        gc.collect()  # free DDP reducers (held in reference cycles) while their process group still exists
+        dist.barrier()  # no rank tears down its group while another still talks to it
     except BaseException:
         (work / f"error-rank{rank}.txt").write_text(traceback.format_exc())
         raise

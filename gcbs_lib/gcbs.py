@@ -485,7 +485,7 @@ class GCBSBatchSampler(Sampler[list[int]]):
 
 # -------------------------------------------------------------------------------------- diagnostics
 
-def _batch_ids(order, n: int, batch_size: int) -> torch.Tensor:
+def batch_ids(order, n: int, batch_size: int) -> torch.Tensor:
     """batch_of[i]: the batch of item i when the permutation `order` of range(n) is cut into `batch_size`."""
     order = torch.as_tensor(order, dtype=torch.long)
     if not torch.equal(order.sort().values, torch.arange(n)):
@@ -503,11 +503,11 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
         gap = (1/N) Σ_i [ log Σ_j e^{S_ij/τ} − log Σ_{j∈B(i)} e^{S_ij/τ} ]  ≥ 0.
     Computed in float64, one row block at a time.
     """
-    if temperature <= 0:
+    if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     z1, z2 = _unit_rows(z1, z2, torch.float64)
     n = len(z1)
-    batch_of = _batch_ids(order, n, batch_size)
+    batch_of = batch_ids(order, n, batch_size)
     total = 0.0
     for rows in row_blocks(n):
         logits = z1[rows.start:rows.stop] @ z2.T / temperature
@@ -524,7 +524,7 @@ def topk_batch_share(z1, z2, order, batch_size: int, k: int = 10) -> float:
     n = _check_pairs(z1, z2)
     if not 1 <= k < n:
         raise ValueError(f"k must be between 1 and N − 1 = {n - 1}, got {k}")
-    batch_of = _batch_ids(order, n, batch_size).numpy()
+    batch_of = batch_ids(order, n, batch_size).numpy()
     hits = 0
     for rows, block in similarity_blocks(z1, z2):
         hits += int((batch_of[_top_columns(block, k)] == batch_of[rows.start:rows.stop, None]).sum())

@@ -14,6 +14,9 @@ gradient, however, factorises through the embeddings z = f_θ(x) (Gao et al., 20
 built on that Function's outputs. The caller's `loss.backward()` therefore runs steps 2 and 3, so scaling,
 gradient accumulation, parameters inside the loss (a learnable logit scale) and `torch.no_grad()` behave
 exactly as with the full-batch loss. Every memory peak is one chunk's graph, never the batch's.
+
+Exactness needs a deterministic encoder given its RNG state and inputs: no BatchNorm in training mode (it
+normalises each chunk by its own statistics), no inputs carrying a graph; both are refused with an error.
 """
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 
 class RandContext:
     """Capture the CPU RNG and the RNG of the devices holding `tensors` now; replay them on enter.
 
+    Without a device tensor among `tensors`, the current CUDA device is captured when CUDA is initialised.
     Entering forks the RNG (like `torch.random.fork_rng`), so on exit the generators are back where they
     were before entering: a replay leaves the random stream untouched.
     """
@@ -39,6 +44,9 @@ class RandContext:
         self.cpu_state = torch.get_rng_state()
         self.device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), "cuda")
         self.devices, self.device_states = get_device_states(*tensors)
+        if not self.devices and torch.cuda.is_initialized():
+            self.devices = [torch.cuda.current_device()]
+            self.device_states = [torch.cuda.get_rng_state(self.devices[0])]
         self._fork = None
 
     def __enter__(self) -> "RandContext":
@@ -56,14 +64,17 @@ class RandContext:
 # ---- batches: a tensor, or a dict whose tensor entries are sliced on dim 0 ------------------------------------
 
 def batch_length(batch: torch.Tensor | Mapping[str, Any]) -> int:
-    """Rows in a batch; a dict's tensor entries must agree."""
+    """Rows in a batch: a tensor, or a dict whose tensor entries (all of the same length) are sliced on dim 0."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 0
-    lengths = {key: value.shape[0] for key, value in batch.items() if isinstance(value, torch.Tensor)}
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"a branch's batch must be a tensor or a dict of tensors, got {type(batch).__name__}")
+    lengths = {key: value.shape[0] if value.dim() else None
+               for key, value in batch.items() if isinstance(value, torch.Tensor)}
     if not lengths:
         raise ValueError("a dict batch needs at least one tensor entry")
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"tensor entries of a batch have different lengths: {lengths}")
+    if len(set(lengths.values())) > 1 or None in lengths.values():
+        raise ValueError(f"tensor entries of a batch have different lengths (None: a 0-dim tensor): {lengths}")
     return next(iter(lengths.values()))
 
 
@@ -78,31 +89,41 @@ def _tensors_of(batch) -> list[torch.Tensor]:
     return [batch] if isinstance(batch, torch.Tensor) else [v for v in batch.values() if isinstance(v, torch.Tensor)]
 
 
-# ---- encoder outputs: a tensor, or tuples/lists/dicts of tensors (e.g. ColBERT vectors and mask) --------------
+# ---- encoder outputs: any pytree (tensor, tuple, namedtuple, dict, ModelOutput) of batch-first tensors ---------
 
-def _flatten(output) -> tuple[list[torch.Tensor], Any]:
-    """Leaves of a nested output in a fixed order, and the structure to rebuild it."""
-    if isinstance(output, torch.Tensor):
-        return [output], None
-    if isinstance(output, Mapping):
-        keys = list(output)
-        parts = [_flatten(output[k]) for k in keys]
-        return [leaf for leaves, _ in parts for leaf in leaves], (dict, keys, [(len(l), s) for l, s in parts])
-    if isinstance(output, (tuple, list)):
-        parts = [_flatten(o) for o in output]
-        return [leaf for leaves, _ in parts for leaf in leaves], (type(output), None, [(len(l), s) for l, s in parts])
-    raise TypeError(f"encoder outputs must be tensors or tuples/lists/dicts of tensors, got {type(output).__name__}")
+def _chunk_leaves(output, rows: slice, branch: int) -> tuple[list, TreeSpec]:
+    """Flatten one chunk's output; every tensor in it must have one row per input row."""
+    leaves, spec = tree_flatten(output)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] != rows.stop - rows.start):
+            raise ValueError(f"branch {branch}, rows {rows.start}:{rows.stop}: the encoder returned a tensor of shape "
+                             f"{tuple(leaf.shape)}; every output tensor must have one row per input row")
+    return leaves, spec
 
 
-def _unflatten(leaves: Sequence[torch.Tensor], spec):
-    if spec is None:
-        return leaves[0]
-    kind, keys, parts = spec
-    items, start = [], 0
-    for count, sub_spec in parts:
-        items.append(_unflatten(leaves[start:start + count], sub_spec))
-        start += count
-    return dict(zip(keys, items)) if kind is dict else kind(items)
+def _merge_chunks(per_chunk: list[tuple[list, TreeSpec]], branch: int) -> tuple[list, TreeSpec]:
+    """Concatenate the chunks' tensor leaves on dim 0; other leaves (None, numbers) must agree across chunks."""
+    specs = {spec for _, spec in per_chunk}
+    if len(specs) > 1:
+        raise ValueError(f"branch {branch}: the encoder returned differently structured outputs for different chunks")
+    merged = []
+    for parts in zip(*(leaves for leaves, _ in per_chunk)):
+        if isinstance(parts[0], torch.Tensor):
+            merged.append(torch.cat(parts))
+        elif all(part == parts[0] for part in parts):
+            merged.append(parts[0])
+        else:
+            raise ValueError(f"branch {branch}: a non-tensor output differs between chunks: {parts}")
+    return merged, per_chunk[0][1]
+
+
+def encode_in_chunks(encoder: Callable, batch, chunk_size: int):
+    """`encoder` applied chunk by chunk, with a graph, outputs concatenated: the reference that draws the same
+    dropout masks as `cached_loss` (started from the same RNG state) but holds the whole batch's graph."""
+    n = batch_length(batch)
+    per_chunk = [_chunk_leaves(encoder(slice_batch(batch, start, min(start + chunk_size, n))),
+                               slice(start, min(start + chunk_size, n)), 0) for start in range(0, n, chunk_size)]
+    return tree_unflatten(*_merge_chunks(per_chunk, 0))
 
 
 def _ambient_autocast() -> list[tuple[str, torch.dtype]]:
@@ -126,27 +147,26 @@ class _Cache:
     """Everything one `cached_loss` call remembers between its forward (step 1) and backward (step 3)."""
 
     chunks: list[_Chunk]
-    leaf_branches: list[int]  # the branch of each flat output, in order
+    tensor_branches: list[int]  # the branch of each cached output tensor, in order
     autocast: list[tuple[str, torch.dtype]]
 
 
 class _CachedEncoding(torch.autograd.Function):
-    """Forward = step 1 (no-graph chunked encoding); backward = step 3 (replay each chunk, push g_i through it)."""
+    """Forward = step 1's cached embeddings; backward = step 3 (replay each chunk, push its ∂L/∂z through it)."""
 
     @staticmethod
-    def forward(ctx, cache: _Cache, anchor: torch.Tensor, *flat_outputs: torch.Tensor):
+    def forward(ctx, cache: _Cache, anchor: torch.Tensor, *cached: torch.Tensor):
         ctx.cache = cache
-        outputs = tuple(t.view_as(t) for t in flat_outputs)
+        outputs = tuple(t.view_as(t) for t in cached)
         ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
         return outputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        cache, ctx.cache = ctx.cache, None
         grads_by_branch: dict[int, list[torch.Tensor]] = {}
-        for branch, grad in zip(cache.leaf_branches, grads):
+        for branch, grad in zip(ctx.cache.tensor_branches, grads):
             grads_by_branch.setdefault(branch, []).append(grad)
-        _replay(cache, grads_by_branch)
+        _replay(ctx.cache, grads_by_branch)
         return (None, None) + (None,) * len(grads)
 
 
@@ -158,7 +178,7 @@ def _replay(cache: _Cache, grads_by_branch: dict[int, list[torch.Tensor]]) -> No
     """Step 3: re-encode every chunk with a graph and back-propagate its slice of ∂L/∂z.
 
     A DistributedDataParallel encoder replays under `no_sync()` except its last chunk, whose backward runs
-    the step's single gradient all-reduce over everything accumulated.
+    one gradient all-reduce over everything accumulated.
     """
     last_use = {id(c.encoder): k for k, c in enumerate(cache.chunks)}
     for k, chunk in enumerate(cache.chunks):
@@ -170,9 +190,14 @@ def _replay(cache: _Cache, grads_by_branch: dict[int, list[torch.Tensor]]) -> No
             for device, dtype in cache.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             stack.enter_context(torch.enable_grad())
-            leaves, _ = _flatten(chunk.encoder(chunk.inputs))
-            pairs = [(leaf, grad[chunk.rows]) for leaf, grad in zip(leaves, grads_by_branch[chunk.branch])
-                     if leaf.is_floating_point() and leaf.requires_grad]
+            leaves, _ = tree_flatten(chunk.encoder(chunk.inputs))
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            pairs = [(t, grad[chunk.rows]) for t, grad in zip(tensors, grads_by_branch[chunk.branch])
+                     if t.is_floating_point() and t.requires_grad]
+            for replayed, grad in pairs:
+                if replayed.shape != grad.shape:
+                    raise RuntimeError(f"branch {chunk.branch}, rows {chunk.rows.start}:{chunk.rows.stop}: the replay "
+                                       f"gave shape {tuple(replayed.shape)}, the first pass {tuple(grad.shape)}")
             if pairs:
                 torch.autograd.backward(*zip(*pairs))
 
@@ -185,25 +210,39 @@ def _encoders_per_branch(encoders, branches: int) -> list[Callable]:
     return [encoders] * branches
 
 
-def _encode_without_graph(encoder, batch, chunk_size: int, branch: int) -> tuple[list[_Chunk], list[torch.Tensor], Any]:
+def _check_replayable(encoder, batch, branch: int) -> None:
+    """Refuse what GradCache cannot replay exactly: inputs with a graph, and BatchNorm in training mode."""
+    if any(t.requires_grad for t in _tensors_of(batch)):
+        raise ValueError(f"branch {branch}: the batch requires grad; GradCache replays the encoder on its inputs, "
+                         f"so compute them inside the encoder (or detach them)")
+    if isinstance(encoder, nn.Module) and any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+                                              for m in encoder.modules()):
+        raise ValueError(f"branch {branch}: BatchNorm in training mode normalises each chunk by its own statistics "
+                         f"(and updates them twice), so chunked gradients cannot equal the full batch's; use "
+                         f"LayerNorm or put BatchNorm in eval mode")
+
+
+def _encode_without_graph(encoder, batch, chunk_size: int, branch: int) -> tuple[list[_Chunk], list, TreeSpec]:
     """Step 1 for one branch: encode chunk by chunk under no_grad, saving each chunk's RNG state."""
     n = batch_length(batch)
     if n == 0:
         raise ValueError(f"branch {branch} is an empty batch")
-    chunks, outputs, spec = [], [], None
+    _check_replayable(encoder, batch, branch)
+    parameters = list(encoder.parameters()) if isinstance(encoder, nn.Module) else []
+    chunks, per_chunk = [], []
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
         inputs = slice_batch(batch, rows.start, rows.stop)
-        rng = RandContext(*_tensors_of(inputs))
+        rng = RandContext(*_tensors_of(inputs), *parameters)  # the parameters' devices: dropout may run there
         with torch.no_grad():
-            leaves, spec = _flatten(encoder(inputs))
+            leaves, spec = _chunk_leaves(encoder(inputs), rows, branch)
         for leaf in leaves:
-            if leaf.is_floating_point() and not torch.isfinite(leaf).all():
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not torch.isfinite(leaf).all():
                 raise FloatingPointError(f"branch {branch}, rows {rows.start}:{rows.stop}: "
                                          f"the encoder produced NaN or inf embeddings")
         chunks.append(_Chunk(branch, encoder, inputs, rows, rng))
-        outputs.append(leaves)
-    return chunks, [torch.cat(parts) for parts in zip(*outputs)], spec
+        per_chunk.append((leaves, spec))
+    return (chunks, *_merge_chunks(per_chunk, branch))
 
 
 def cached_loss(loss_fn: Callable[..., torch.Tensor], encoders, batches: Sequence, chunk_size: int) -> torch.Tensor:
@@ -211,30 +250,31 @@ def cached_loss(loss_fn: Callable[..., torch.Tensor], encoders, batches: Sequenc
     full-batch gradients while only one chunk of `chunk_size` rows ever holds an autograd graph.
 
     `encoders`: one module shared by all branches, or a sequence with one per branch. `batches`: one input per
-    branch, a tensor or a dict whose tensor entries are sliced on dim 0 (other entries pass through).
-    Dropout is replayed bitwise; under `torch.no_grad()` this just returns the loss. DistributedDataParallel
-    encoders replay under `no_sync()`, with exactly one gradient all-reduce per module in the backward.
+    branch, a tensor or a dict whose tensor entries are sliced on dim 0 (other entries pass through). Encoder
+    outputs may be tensors or nested tuples/dicts/namedtuples of batch-first tensors. Dropout is replayed
+    bitwise; under `torch.no_grad()` this just returns the loss. A DistributedDataParallel encoder replays under
+    `no_sync()` but for its last chunk, so each call runs one gradient all-reduce per DDP module.
+
+    The encoder parameters get their gradients inside the loss's backward, from replays that autograd cannot
+    see: use `loss.backward()` (or `torch.autograd.backward`), not `torch.autograd.grad(loss, parameters)`.
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if isinstance(batches, (torch.Tensor, Mapping)) or len(batches) == 0:
         raise ValueError("batches must be a non-empty sequence with one input per branch")
-    per_branch = _encoders_per_branch(encoders, len(batches))
-    chunks, flat_outputs, specs, leaf_branches = [], [], [], []
-    for branch, (encoder, batch) in enumerate(zip(per_branch, batches)):
+    chunks, cached, structures, tensor_branches = [], [], [], []
+    for branch, (encoder, batch) in enumerate(zip(_encoders_per_branch(encoders, len(batches)), batches)):
         branch_chunks, leaves, spec = _encode_without_graph(encoder, batch, chunk_size, branch)
         chunks += branch_chunks
-        flat_outputs += leaves
-        specs.append(spec)
-        leaf_branches += [branch] * len(leaves)
-    cache = _Cache(chunks, leaf_branches, _ambient_autocast())
+        structures.append((leaves, spec))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        cached += tensors
+        tensor_branches += [branch] * len(tensors)
+    cache = _Cache(chunks, tensor_branches, _ambient_autocast())
     anchor = torch.empty(0, requires_grad=True)  # makes autograd record the Function; carries no gradient
-    flat = _CachedEncoding.apply(cache, anchor, *flat_outputs)
-    embeddings, start = [], 0
-    for branch, spec in enumerate(specs):
-        count = leaf_branches.count(branch)
-        embeddings.append(_unflatten(flat[start:start + count], spec))
-        start += count
+    outputs = iter(_CachedEncoding.apply(cache, anchor, *cached))
+    embeddings = [tree_unflatten([next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+                  for leaves, spec in structures]
     loss = loss_fn(*embeddings)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")

@@ -48,7 +48,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from gcbs_lib.check import cmp_table, compare, relative_error, tolerance
-from gcbs_lib.gradcache import RandContext, cached_loss
+from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks
 from gcbs_lib.losses import LogitScale, info_nce
 from gcbs_lib.measure import StepConfig, peak_step_memory, step_seconds
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
@@ -215,8 +215,7 @@ def dropout_gradients(use_gradcache):
     if use_gradcache:
         loss = cached_loss(loss_fn, encoders, batches, 5)
     else:  # same chunks in the same order: the same dropout masks, but one graph over everything
-        loss = loss_fn(*[torch.cat([e({k: v[i:i + 5] for k, v in b.items()}) for i in range(0, len(b["input_ids"]), 5)])
-                         for e, b in zip(encoders, batches)])
+        loss = loss_fn(*[encode_in_chunks(e, b, 5) for e, b in zip(encoders, batches)])
     loss.backward()
     return grouped_grads(encoders, scale)
 
@@ -257,9 +256,9 @@ print(f"under no_grad: loss {loss.item():.4f}, requires_grad={loss.requires_grad
 # GradCache's peak is one chunk's graph plus the `[B, D]` embeddings and their gradients, nearly flat in $B$.
 #
 # *How it is measured.* On CUDA: `torch.cuda.max_memory_allocated()` above the memory in use before the step.
-# On CPU there is no allocator peak to read, so each point runs in a **fresh process** and we record how far the
-# peak resident set size (`ru_maxrss`) rises during the step (after a tiny warm-up step initialises lazily
-# allocated state). Model: `TinyTextEncoder(dim=64, layers=2)`, 32 tokens per text, query and document branches.
+# On CPU there is no allocator peak to read, so each point runs in a **fresh process**: after a tiny warm-up step
+# (lazily allocated state), the kernel's peak-RSS counter is reset and we record how far the peak resident set
+# (`VmHWM`) rises above the resident set before the step. Model: `TinyTextEncoder(dim=64, layers=2)`, 32 tokens per text, query and document branches.
 
 # %%
 memory_mib = {method: [peak_step_memory(StepConfig(method, b, memory_chunk_size, device=device)) / 2**20

@@ -88,9 +88,11 @@ def test_gather_with_grad_forward_is_the_concatenation_and_backward_a_reduce_sca
     assert job["gather"]["backward_error"] <= 1e-15
 
 
-def test_ranks_with_different_shapes_all_raise_instead_of_hanging(job):
+def test_ranks_with_different_shapes_or_dtypes_all_raise_instead_of_hanging(job):
     assert job["gather"]["mismatch_raised_on"] == job["world_size"]
     assert "different shapes" in job["gather"]["mismatch_error"]
+    assert job["gather"]["dtype_mismatch_raised_on"] == job["world_size"]
+    assert "different dtypes" in job["gather"]["dtype_error"]
 
 
 def test_multi_vector_outputs_are_padded_to_the_longest_rank(job):

@@ -1,14 +1,16 @@
 """Specification of GradCache: `cached_loss(...).backward()` gives the full-batch gradients, whatever the chunks."""
+from collections import namedtuple
 from dataclasses import dataclass
 from functools import partial
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from gcbs_lib import gradcache
 from gcbs_lib.check import relative_error, tolerance
-from gcbs_lib.gradcache import RandContext, cached_loss
+from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks
 from gcbs_lib.losses import LogitScale, info_nce, late_interaction_loss
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 
@@ -29,14 +31,8 @@ class Setup:
 
     def full_batch_loss(self, chunk_size=None):
         """The plain loss with a graph over the whole batch (optionally encoded chunk by chunk, same masks)."""
-        outputs = []
-        for encoder, batch in zip(self.encoder_list(), self.batches):
-            step = chunk_size or gradcache.batch_length(batch)
-            chunks = [encoder(gradcache.slice_batch(batch, i, i + step))
-                      for i in range(0, gradcache.batch_length(batch), step)]
-            outputs.append(torch.cat(chunks) if isinstance(chunks[0], torch.Tensor)
-                           else tuple(torch.cat(parts) for parts in zip(*chunks)))
-        return self.loss_fn(*outputs)
+        return self.loss_fn(*[encode_in_chunks(encoder, batch, chunk_size or gradcache.batch_length(batch))
+                              for encoder, batch in zip(self.encoder_list(), self.batches)])
 
     def grads_of(self, loss):
         for p in self.params:
@@ -104,7 +100,7 @@ def record_outputs(encoders):
     calls = []
 
     def hook(module, args, output):
-        calls.append([t.detach().clone() for t in gradcache._flatten(output)[0]])
+        calls.append([t.detach().clone() for t in tree_flatten(output)[0]])
 
     handles = [e.register_forward_hook(hook) for e in dict.fromkeys(encoders)]
     return calls, handles
@@ -220,6 +216,45 @@ def test_dict_entries_that_are_not_tensors_pass_through_to_every_chunk():
     assert seen == [["a text"] * BATCH] * 4
 
 
+class StructuredOutput(nn.Module):
+    """Wraps a multi-vector encoder to return its output as a dict, a namedtuple, or with a None inside."""
+
+    Output = namedtuple("Output", "vectors mask")
+
+    def __init__(self, encoder, kind):
+        super().__init__()
+        self.encoder, self.kind = encoder, kind
+
+    def forward(self, batch):
+        vectors, mask = self.encoder(batch)
+        return {"dict": {"vectors": vectors, "mask": mask}, "namedtuple": self.Output(vectors, mask),
+                "with_none": (vectors, None, mask)}[self.kind]
+
+
+@pytest.mark.parametrize("kind", ["dict", "namedtuple", "with_none"])
+def test_structured_outputs_keep_their_structure_and_get_full_batch_gradients(kind):
+    setup = make_setup("colbert")
+    setup.encoders = [StructuredOutput(e, kind) for e in setup.encoders]
+    unpack = {"dict": lambda o: (o["vectors"], o["mask"]), "namedtuple": lambda o: (o.vectors, o.mask),
+              "with_none": lambda o: (o[0], o[2])}[kind]
+    loss_fn = setup.loss_fn
+    setup.loss_fn = lambda q, d: loss_fn(unpack(q), unpack(d))
+    reference = setup.grads_of(setup.full_batch_loss())
+    grads = setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))
+    assert max_relative_error(grads, reference) <= 1e-12
+
+
+def test_backward_twice_with_retain_graph_doubles_the_gradients_as_the_full_batch_does():
+    setup = make_setup()
+    once = setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))
+    loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+    for p in setup.params:
+        p.grad = None
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert max_relative_error([p.grad for p in setup.params], [2 * g for g in once]) <= 1e-12
+
+
 # ---- mixed precision -----------------------------------------------------------------------------------------
 
 def bf16_setup():
@@ -300,3 +335,30 @@ def test_dict_entries_of_different_lengths_are_refused():
     setup.batches[0]["attention_mask"] = setup.batches[0]["attention_mask"][:-1]
     with pytest.raises(ValueError, match="different lengths"):
         cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+
+
+def test_a_batch_that_is_neither_a_tensor_nor_a_dict_is_refused():
+    setup = make_setup()
+    setup.batches[0] = (setup.batches[0]["input_ids"], setup.batches[0]["attention_mask"])
+    with pytest.raises(TypeError, match="a tensor or a dict of tensors, got tuple"):
+        cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+
+
+def test_inputs_that_carry_a_graph_are_refused():
+    upstream = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="branch 0: the batch requires grad"):
+        cached_loss(info_nce, nn.Linear(3, 3), [upstream(torch.randn(4, 3)), torch.randn(4, 3)], 2)
+
+
+def test_batchnorm_in_training_mode_is_refused_and_in_eval_mode_accepted():
+    encoder = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    batches = [torch.randn(4, 3), torch.randn(4, 3)]
+    with pytest.raises(ValueError, match="BatchNorm in training mode"):
+        cached_loss(info_nce, encoder, batches, 2)
+    encoder.eval()
+    cached_loss(info_nce, encoder, batches, 2).backward()
+
+
+def test_outputs_that_are_not_batch_first_are_refused():
+    with pytest.raises(ValueError, match=r"shape \(3, 2\); every output tensor must have one row per input row"):
+        cached_loss(info_nce, lambda x: x.T, [torch.randn(2, 3), torch.randn(2, 3)], 2)
