@@ -59,7 +59,7 @@ _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.in
            torch.int8, torch.uint8, torch.bool]
 
 
-def _check_same_shape(x: torch.Tensor, world_size: int) -> None:
+def _check_same_shape_and_dtype(x: torch.Tensor, world_size: int) -> None:
     """Exchange shapes and dtypes before gathering, so a mismatch raises the same error on every rank instead of
     hanging or aborting in the collective."""
     shape = list(x.shape[:_MAX_DIMS])
@@ -105,7 +105,7 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     _, world_size = rank_and_world_size()
     if world_size == 1:
         return x
-    _check_same_shape(x, world_size)
+    _check_same_shape_and_dtype(x, world_size)
     return _GatherWithGrad.apply(x)
 
 
