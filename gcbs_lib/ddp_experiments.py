@@ -255,7 +255,7 @@ def _device(setup: ScalingSetup) -> torch.device:
 # ---- torchrun targets ----------------------------------------------------------------------------------------
 
 def distributed_checks(runs: list[dict], device: str = "cpu") -> dict:
-    """Torchrun target behind notebook 02 and its tests, one process group for all of it: `ddp_step` for each
+    """Torchrun target running a whole scaling experiment in one process group: `ddp_step` for each
     run `{"convention": name, "setup": {ScalingSetup fields}}`, then `gather_checks` and `gradient_helper_checks`."""
     results = [ddp_step(run["convention"], ScalingSetup(**run["setup"])) for run in runs]
     rank, world_size = rank_and_world_size()

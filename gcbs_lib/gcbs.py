@@ -65,6 +65,11 @@ def _check_quantile(quantile: float) -> None:
         raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
 
 
+def _check_last_batch(last_batch: str) -> None:
+    if last_batch not in ("drop", "pad"):
+        raise ValueError(f"last_batch must be 'drop' or 'pad', got {last_batch!r}")
+
+
 def _check_batch_size(batch_size: int, n: int) -> None:
     if not 1 <= batch_size <= n:
         raise ValueError(f"batch_size must be between 1 and N = {n} (N smaller than a batch?), got {batch_size}")
@@ -393,8 +398,7 @@ def cut_batches(order: torch.Tensor, batch_size: int, last_batch: LastBatch,
     A shorter last batch is dropped (`last_batch="drop"`) or filled up (`"pad"`) with the first items of the
     order that it does not hold yet; there is no default, so the choice stays visible.
     """
-    if last_batch not in ("drop", "pad"):
-        raise ValueError(f"last_batch must be 'drop' or 'pad', got {last_batch!r}")
+    _check_last_batch(last_batch)
     _check_batch_size(batch_size, len(order))
     if keys is not None:
         order = separate_duplicates(order, keys, batch_size)
@@ -448,8 +452,7 @@ class GCBSBatchSampler(Sampler[list[int]]):
                  progress: bool = True):
         _check_batch_size(batch_size, num_items)
         _check_quantile(quantile)
-        if last_batch not in ("drop", "pad"):
-            raise ValueError(f"last_batch must be 'drop' or 'pad', got {last_batch!r}")
+        _check_last_batch(last_batch)
         if batch_size % world_size:
             raise ValueError(f"the global batch_size {batch_size} must divide by world_size {world_size}")
         if not 0 <= rank < world_size:

@@ -87,9 +87,14 @@ print(f"{n_items} pairs in {clusters} planted clusters, d = {dim}, batches of {b
 # `gcbs.loss_gap` computes it exactly (float64, row blocks); we check it against two cross-entropies.
 
 # %%
+def scaled_similarities(z1, z2, temperature):
+    """S/τ in float64 on the CPU: the logits of the global loss."""
+    return F.normalize(z1.cpu().double(), dim=1) @ F.normalize(z2.cpu().double(), dim=1).T / temperature
+
+
 def brute_force_gap(z1, z2, order, batch_size, temperature):
     """L^Global − L^Train from two cross-entropies over the whole data and over each batch."""
-    logits = F.normalize(z1.cpu().double(), dim=1) @ F.normalize(z2.cpu().double(), dim=1).T / temperature
+    logits = scaled_similarities(z1, z2, temperature)
     global_loss = F.cross_entropy(logits, torch.arange(len(z1)), reduction="sum")
     train_loss = sum(F.cross_entropy(logits[b][:, b], torch.arange(len(b)), reduction="sum")
                      for b in order.split(batch_size))
@@ -152,7 +157,7 @@ print(f"undirected edges {planted.graph.nnz // 2}, diagonal edges: {planted.grap
 # %%
 def gap_bounds(order, graph, t):
     """The two upper bounds on the gap derived above, in float64."""
-    logits = (F.normalize(z1.cpu().double(), dim=1) @ F.normalize(z2.cpu().double(), dim=1).T) / temperature
+    logits = scaled_similarities(z1, z2, temperature)
     batch_of = gcbs.batch_ids(order, n_items, batch_size)
     positive, outside = logits.diagonal(), batch_of[:, None] != batch_of[None, :]
     first = ((logits - positive[:, None]).exp() * outside).sum() / n_items
