@@ -1,0 +1,29 @@
+"""Specification of the named random streams."""
+import pytest
+import torch
+
+from gcbs_lib.seeding import generator, stream_seed
+
+
+def test_a_stream_seed_is_reproducible():
+    assert stream_seed(3, 1, "shuffle") == stream_seed(3, 1, "shuffle")
+
+
+def test_seed_plus_epoch_does_not_collide_across_seeds():
+    assert stream_seed(0, 1, "shuffle") != stream_seed(1, 0, "shuffle")
+
+
+def test_purposes_of_one_seed_and_epoch_are_different_streams():
+    seeds = {stream_seed(0, 0, p) for p in ("init", "shuffle", "gcbs-relabel", "dropout", "mining")}
+    assert len(seeds) == 5
+
+
+def test_generators_of_different_streams_draw_differently():
+    a = torch.randperm(100, generator=generator(0, 1, "shuffle"))
+    b = torch.randperm(100, generator=generator(1, 0, "shuffle"))
+    assert not torch.equal(a, b)
+
+
+def test_a_stream_needs_a_purpose():
+    with pytest.raises(ValueError, match="purpose"):
+        stream_seed(0, 0, "")
