@@ -107,3 +107,137 @@ def late_interaction_loss(query: tuple[torch.Tensor, torch.Tensor], docs: tuple[
                           scale: Scale = 1.0, symmetric: bool = False) -> torch.Tensor:
     """InfoNCE over ColBERT MaxSim scores (multi-vector queries and documents with masks)."""
     return contrastive_loss(late_interaction_scores(query, docs), scale, symmetric)
+
+
+# ---- MIL-NCE: a bag of captions as each clip's positive ---------------------------------------------------------
+
+def mil_nce(video: torch.Tensor, text: torch.Tensor, bag_idx: torch.Tensor, temperature: float | torch.Tensor = 1.0,
+            direction: str = "v2t", chunk_size: int | None = None, reduction: str = "mean", *,
+            exclude_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """MIL-NCE (Miech et al., CVPR 2020): clip i's positive is its bag P_i of neighbouring captions.
+
+    With S = video textᵀ / τ (`video [B, D]`, `text [N, D]`, `bag_idx [B, A]` caption rows, -1 = padding):
+
+        "v2t"   ℓ_i = log Σ_{j≤N} e^{S_ij}                            − log Σ_{j∈P_i} e^{S_ij}
+        "both"  ℓ_i = log (Σ_{j≤N} e^{S_ij} + Σ_{k≤B} Σ_{j∈P_i} e^{S_kj}) − log Σ_{j∈P_i} e^{S_ij}
+
+    "v2t" is the article's form; "both" the official code's (every clip also against clip i's bag, so the bag
+    counts twice and ℓ_i ≥ ln 2). Bags may be ragged and may share captions; a caption twice in one bag is
+    refused. `exclude_idx [B, E]` (-1 = padding, optional) names captions that are no negatives for clip i (one
+    overlapping its window from another clip's bag): the pairs (i, j) leave both sums. `chunk_size` streams the
+    denominators `chunk_size` columns at a time with a hand-written backward, so no B×N matrix is ever held; the
+    values and gradients equal the full computation to rounding. Returns the mean, or `[B]` with reduction="none".
+    """
+    _check_mil_nce_inputs(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction)
+    scaled = video / temperature
+    rows, cols = _pairs(exclude_idx) if exclude_idx is not None else (bag_idx.new_empty(0),) * 2
+    positive = torch.einsum("bd,bad->ba", scaled, text[bag_idx.clamp(min=0)])
+    positive = positive.masked_fill(bag_idx < 0, float("-inf")).logsumexp(dim=1)
+    denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
+    if direction == "both":
+        in_bags = bag_idx[bag_idx >= 0].unique()  # only these columns are needed: no all-excluded column enters
+        column = _masked_logsumexp(text[in_bags], scaled, *_pairs_among(cols, rows, in_bags), chunk_size)
+        column_of = torch.full((text.shape[0],), float("-inf"), dtype=column.dtype, device=column.device)
+        column_of = column_of.index_put((in_bags,), column)
+        bag_columns = column_of[bag_idx.clamp(min=0)].masked_fill(bag_idx < 0, float("-inf")).logsumexp(dim=1)
+        denominator = torch.logaddexp(denominator, bag_columns)
+    loss = denominator - positive
+    return loss.mean() if reduction == "mean" else loss
+
+
+def _pairs(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every entry ≥ 0 of a -1-padded index matrix."""
+    rows, slots = (index >= 0).nonzero(as_tuple=True)
+    return rows, index[rows, slots]
+
+
+def _pairs_among(rows: torch.Tensor, cols: torch.Tensor, keep_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs whose row is in the sorted `keep_rows`, with rows renumbered to positions in `keep_rows`."""
+    position = torch.searchsorted(keep_rows, rows).clamp(max=max(len(keep_rows) - 1, 0))
+    kept = keep_rows[position] == rows if len(keep_rows) else torch.zeros_like(rows, dtype=torch.bool)
+    return position[kept], cols[kept]
+
+
+def _masked_logsumexp(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                      chunk_size: int | None) -> torch.Tensor:
+    """log Σ_j e^{<a_m, b_j>} over the columns j with (m, j) not among the pairs (rows, cols): `[M]`."""
+    if chunk_size is None:
+        scores = (a @ b.T).index_put((rows, cols), a.new_tensor(float("-inf")))
+        return scores.logsumexp(dim=1)
+    return _ChunkedLogSumExp.apply(a, b, rows, cols, chunk_size)
+
+
+def _masked_chunk(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, start: int, stop: int):
+    """Scores of a against columns start:stop of b, the excluded pairs set to −inf: `[M, stop − start]`."""
+    scores = a @ b[start:stop].T
+    inside = (cols >= start) & (cols < stop)
+    return scores.index_put_((rows[inside], cols[inside] - start), scores.new_tensor(float("-inf")))
+
+
+class _ChunkedLogSumExp(torch.autograd.Function):
+    """`_masked_logsumexp` streamed over column chunks; the backward recomputes each chunk's softmax.
+
+    Forward: lse_m = logaddexp over chunks of the chunk's logsumexp. Backward: ∂lse_m/∂<a_m, b_j> = e^{s_mj − lse_m},
+    so each chunk contributes P @ b_chunk to a's gradient and Pᵀ @ a to its own rows of b's. Peak memory: one
+    `[M, chunk_size]` block besides the inputs, in the forward and in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, rows, cols, chunk_size):
+        lse = a.new_full((a.shape[0],), float("-inf"))
+        for start in range(0, b.shape[0], chunk_size):
+            lse = torch.logaddexp(lse, _masked_chunk(a, b, rows, cols, start, start + chunk_size).logsumexp(dim=1))
+        ctx.save_for_backward(a, b, rows, cols, lse)
+        ctx.chunk_size = chunk_size
+        return lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        a, b, rows, cols, lse = ctx.saved_tensors
+        grad_a, grad_b = torch.zeros_like(a), torch.zeros_like(b)
+        for start in range(0, b.shape[0], ctx.chunk_size):
+            stop = start + ctx.chunk_size
+            weights = (_masked_chunk(a, b, rows, cols, start, stop) - lse[:, None]).exp_().mul_(grad[:, None])
+            grad_a.addmm_(weights, b[start:stop])
+            grad_b[start:stop] = weights.T @ a
+        return grad_a, grad_b, None, None, None
+
+
+def _check_index(name: str, index: torch.Tensor, rows: int, n_text: int) -> None:
+    if index.dtype != torch.long or index.dim() != 2 or index.shape[0] != rows:
+        raise ValueError(f"{name} must be a long tensor [B={rows}, A], got {index.dtype} {tuple(index.shape)}")
+    if index.numel() and (index.min() < -1 or index.max() >= n_text):
+        bad = index[(index < -1) | (index >= n_text)][0].item()
+        raise ValueError(f"{name} holds {bad}, outside [-1, {n_text}) (there are {n_text} captions, -1 pads)")
+
+
+def _check_mil_nce_inputs(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction) -> None:
+    """Clear errors for everything `mil_nce` cannot score (a CUDA gather would return garbage instead)."""
+    if direction not in ("v2t", "both"):
+        raise ValueError(f"direction must be 'v2t' or 'both', got {direction!r}")
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    if video.dim() != 2 or text.dim() != 2 or video.shape[1] != text.shape[1]:
+        raise ValueError(f"expected video [B, D] and text [N, D], got {tuple(video.shape)} and {tuple(text.shape)}")
+    if video.shape[0] == 0 or text.shape[0] == 0:
+        raise ValueError(f"empty batch: {video.shape[0]} clips and {text.shape[0]} captions")
+    _check_index("bag_idx", bag_idx, video.shape[0], text.shape[0])
+    if (bag_idx < 0).all(dim=1).any():
+        raise ValueError(f"clip {int((bag_idx < 0).all(dim=1).nonzero()[0])} has an empty bag (a row of only -1)")
+    ordered = bag_idx.sort(dim=1).values
+    if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any():
+        raise ValueError("a caption appears twice in one bag; list each caption of a bag once")
+    if exclude_idx is not None:
+        _check_index("exclude_idx", exclude_idx, video.shape[0], text.shape[0])
+        clash = (exclude_idx[:, :, None] == bag_idx[:, None, :]) & (exclude_idx[:, :, None] >= 0)
+        if clash.any():
+            raise ValueError("a caption is both in clip i's bag and excluded from its negatives")
+    t = torch.as_tensor(temperature)
+    if t.numel() != 1 or not torch.isfinite(t) or t <= 0:
+        raise ValueError(f"temperature must be one positive finite number, got {temperature!r}")
+    for name, x in (("video", video), ("text", text)):
+        if not torch.isfinite(x).all():
+            raise ValueError(f"{name} embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)")
