@@ -241,3 +241,28 @@ def _check_mil_nce_inputs(video, text, bag_idx, exclude_idx, temperature, direct
     for name, x in (("video", video), ("text", text)):
         if not torch.isfinite(x).all():
             raise ValueError(f"{name} embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)")
+
+
+def energy_hinge(query: torch.Tensor, docs: torch.Tensor, margin: float = 0.2, weight: float = 10.0,
+                 reduction: str = "mean") -> torch.Tensor:
+    """PromCSE's energy-based hinge term: weight · max(0, margin − cos(h_i, h_i⁺) + max_{j ≠ p(i)} cos(h_i, d_j)).
+
+    Raw cosines (no temperature). `query [B, D]`, `docs [B·(1+k), D]` laid out as in `info_nce`: query i's
+    positive is column i·(1+k), and every other document of the batch (other queries' positives and all hard
+    negatives) is a negative, so the max runs over all of them as in PromCSE's supervised loss. Defaults
+    m = 0.2 and λ = 10 are its example script's. `reduction="none"` returns the weighted term per query.
+    """
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    if query.dim() != 2 or docs.dim() != 2:
+        raise ValueError(f"expected 2-d embeddings, got queries {tuple(query.shape)}, documents {tuple(docs.shape)}")
+    _check_dims(query, docs)
+    group = docs_per_query(len(query), len(docs))
+    if len(docs) < 2:
+        raise ValueError("the hinge needs at least one negative: one query with one document has none")
+    cosines = F.normalize(query, dim=-1) @ F.normalize(docs, dim=-1).T
+    positive_column = torch.arange(len(query), device=query.device) * group
+    positive = cosines.gather(1, positive_column[:, None]).squeeze(1)
+    hardest = cosines.scatter(1, positive_column[:, None], float("-inf")).amax(dim=1)
+    per_query = weight * torch.relu(margin - positive + hardest)
+    return per_query.mean() if reduction == "mean" else per_query
