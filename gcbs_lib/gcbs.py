@@ -32,6 +32,8 @@ from torch import nn
 from torch.utils.data import Sampler
 from tqdm import tqdm
 
+from gcbs_lib.seeding import generator, stream_seed
+
 BLOCK_ELEMENTS = 2**22  # similarity entries held at once: 16 MiB of float32
 
 LastBatch = Literal["drop", "pad"]
@@ -438,12 +440,19 @@ class GCBSBatchSampler(Sampler[list[int]]):
     """A DataLoader `batch_sampler` whose batches hold each other's hard negatives, re-ordered every epoch.
 
     Each `iter()` (one epoch) embeds all items with `embed(indices) -> (z1, z2)` (see `embed_all`), computes
-    the GCBS order (seed + epoch), keeps duplicate `keys` apart, cuts global batches of `batch_size`, drops or
-    pads the last one (`last_batch`), shuffles the batch order (seed + epoch) and yields this rank's contiguous
-    slice of each global batch: `batch_size // world_size` indices. Call `set_epoch` before each epoch, as with
-    DistributedSampler. Under torch.distributed the ranks share the similarity work (`gcbs_order`).
-    `last` holds the latest `GCBSOrder`, its `times.embed` included.
+    the GCBS order, keeps duplicate `keys` apart, cuts global batches of `batch_size`, drops or pads the last
+    one (`last_batch`), shuffles the batch order and yields this rank's contiguous slice of each global batch:
+    `batch_size // world_size` indices. The relabelling and the shuffle draw from the streams
+    `stream_seed(seed, epoch, RELABEL_STREAM)` and `(..., SHUFFLE_STREAM)`, so no (seed, epoch) pair repeats
+    another's batches. Call `set_epoch` before each epoch, as with DistributedSampler. Under torch.distributed
+    the ranks share the similarity work (`gcbs_order`).
+
+    After an epoch has started: `last` is its `GCBSOrder` (`times.embed` included), `batches` its global
+    batches in the order trained, `embeddings` the (z1, z2) they were ordered by, and `loss_gap(temperature)`
+    the gap of exactly those batches.
     """
+
+    RELABEL_STREAM, SHUFFLE_STREAM = "gcbs-relabel", "gcbs-batch-shuffle"
 
     def __init__(self, embed: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], num_items: int,
                  batch_size: int, last_batch: LastBatch, *, quantile: float = 0.999, top_k: int | None = None,
@@ -462,7 +471,8 @@ class GCBSBatchSampler(Sampler[list[int]]):
         self.embed, self.num_items, self.batch_size, self.last_batch = embed, num_items, batch_size, last_batch
         self.quantile, self.top_k, self.keys, self.model = quantile, top_k, keys, model
         self.embed_batch_size, self.seed, self.rank, self.world_size = embed_batch_size, seed, rank, world_size
-        self.progress, self.epoch, self.last = progress, 0, None
+        self.progress, self.epoch = progress, 0
+        self.last, self.batches, self.embeddings = None, [], None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -476,14 +486,22 @@ class GCBSBatchSampler(Sampler[list[int]]):
         z1, z2 = embed_all(self.embed, self.num_items, self.embed_batch_size, self.model, self.progress)
         embed_time = clock.lap()
         shared = _in_process_group(self.world_size)
-        self.last = gcbs_order(z1, z2, self.quantile, self.seed + self.epoch, top_k=self.top_k,
+        relabel = stream_seed(self.seed, self.epoch, self.RELABEL_STREAM)
+        self.last = gcbs_order(z1, z2, self.quantile, relabel, top_k=self.top_k,
                                rank=self.rank if shared else 0, world_size=self.world_size if shared else 1)
         self.last.times.embed = embed_time
         batches = cut_batches(self.last.order, self.batch_size, self.last_batch, self.keys)
-        shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        shuffle = torch.randperm(len(batches), generator=generator(self.seed, self.epoch, self.SHUFFLE_STREAM))
+        self.batches, self.embeddings = [batches[b] for b in shuffle.tolist()], (z1, z2)
         part = self.batch_size // self.world_size
-        for b in shuffle.tolist():
-            yield batches[b][self.rank * part:(self.rank + 1) * part]
+        for batch in self.batches:
+            yield batch[self.rank * part:(self.rank + 1) * part]
+
+    def loss_gap(self, temperature: float) -> float:
+        """The exact loss gap of the latest epoch's global batches, as trained (see `batches_loss_gap`)."""
+        if self.embeddings is None:
+            raise RuntimeError("no epoch has started yet: iterate over the sampler first")
+        return batches_loss_gap(*self.embeddings, self.batches, temperature)
 
 
 # -------------------------------------------------------------------------------------- diagnostics
@@ -504,19 +522,51 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
 
     With cosine similarities S = ẑ1ẑ2ᵀ and B(i) the batch of item i, the positive terms cancel:
         gap = (1/N) Σ_i [ log Σ_j e^{S_ij/τ} − log Σ_{j∈B(i)} e^{S_ij/τ} ]  ≥ 0.
-    Computed in float64, one row block at a time.
+    Computed in float64, a few batches at a time (`batches_loss_gap`).
+    """
+    order = torch.as_tensor(order, dtype=torch.long)
+    batch_ids(order, _check_pairs(z1, z2), batch_size)  # checks the permutation and the batch size
+    return batches_loss_gap(z1, z2, [b.tolist() for b in order.split(batch_size)], temperature)
+
+
+def batches_loss_gap(z1, z2, batches: Sequence[Sequence[int]], temperature: float) -> float:
+    """Exact L^Global − L^Train of InfoNCE over the given batches: the gap of the batches actually trained on.
+
+    The mean over every (batch b, item i ∈ b) of log Σ_j e^{S_ij/τ} − log Σ_{j∈b} e^{S_ij/τ}: items left out
+    (a dropped last batch) do not count, items in two batches (a padded last batch) count twice. The items of
+    a batch must be distinct. Float64, in row chunks of about `BLOCK_ELEMENTS` similarities.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     z1, z2 = _unit_rows(z1, z2, torch.float64)
     n = len(z1)
-    batch_of = batch_ids(order, n, batch_size)
+    batches = [torch.as_tensor(b, dtype=torch.long).reshape(-1) for b in batches]
+    if not batches or min(len(b) for b in batches) == 0:
+        raise ValueError("need at least one batch, and no empty batch")
+    if any(b.min() < 0 or b.max() >= n for b in batches):
+        raise ValueError(f"batch indices must lie in [0, {n})")
+    if any(len(b.unique()) != len(b) for b in batches):
+        raise ValueError("an item occurs twice in one batch")
     total = 0.0
-    for rows in row_blocks(n):
-        logits = z1[rows.start:rows.stop] @ z2.T / temperature
-        same = batch_of[rows.start:rows.stop, None] == batch_of[None, :]
-        total += (logits.logsumexp(1) - logits.masked_fill(~same, -math.inf).logsumexp(1)).sum().item()
-    return total / n
+    for chunk in _group(batches, max(1, BLOCK_ELEMENTS // n)):
+        members = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True, padding_value=-1)
+        members = members.repeat_interleave(torch.tensor([len(b) for b in chunk]), dim=0)  # row i: i's batch
+        logits = z1[torch.cat(chunk)] @ z2.T / temperature
+        in_batch = logits.gather(1, members.clamp(min=0)).masked_fill(members < 0, -math.inf)
+        total += (logits.logsumexp(1) - in_batch.logsumexp(1)).sum().item()
+    return total / sum(len(b) for b in batches)
+
+
+def _group(batches: list[torch.Tensor], rows: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of batches holding at most `rows` items together (or a single larger batch)."""
+    run, size = [], 0
+    for batch in batches:
+        if run and size + len(batch) > rows:
+            yield run
+            run, size = [], 0
+        run.append(batch)
+        size += len(batch)
+    yield run
 
 
 def topk_batch_share(z1, z2, order, batch_size: int, k: int = 10) -> float:

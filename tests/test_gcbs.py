@@ -12,16 +12,18 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from gcbs_lib.gcbs import (GCBSBatchSampler, bandwidth, cut_batches, edges_to_graph, gcbs_order,
+from gcbs_lib.gcbs import (GCBSBatchSampler, bandwidth, batches_loss_gap, cut_batches, edges_to_graph, gcbs_order,
                            gcbs_permutation, graph_rows, loss_gap, offdiagonal_quantile, separate_duplicates,
                            similarity_blocks, synthetic_pairs, topk_batch_share)
+from gcbs_lib.seeding import generator, stream_seed
 
 BATCH, TAU = 32, 0.05
 
 
 def offdiagonal_values(z1, z2):
-    """All off-diagonal similarities, as the library computes them, in float64."""
-    return np.concatenate([block[np.isfinite(block)] for _, block in similarity_blocks(z1, z2)]).astype(np.float64)
+    """All off-diagonal cosine similarities in float32 (one plain product, diagonal removed), as float64."""
+    similarity = F.normalize(z1.float(), dim=1) @ F.normalize(z2.float(), dim=1).T
+    return similarity[~torch.eye(len(z1), dtype=torch.bool)].numpy().astype(np.float64)
 
 
 def random_order(n, seed=0):
@@ -242,6 +244,58 @@ def test_sampler_is_deterministic_for_a_seed_and_shuffles_batches_per_epoch():
         runs.setdefault((seed, epoch), []).append(list(sampler))
     assert runs[(0, 0)][0] == runs[(0, 0)][1]
     assert runs[(0, 1)][0] != runs[(0, 0)][0] and runs[(1, 0)][0] != runs[(0, 0)][0]
+
+
+def test_sampler_streams_of_seed_0_epoch_1_and_seed_1_epoch_0_do_not_collide():
+    encoder = PairEncoder()  # fixed weights: only the seeds and epochs differ between the runs
+    runs = {}
+    for seed, epoch in [(0, 1), (1, 0)]:
+        sampler = make_sampler(encoder, seed=seed)
+        sampler.set_epoch(epoch)
+        runs[(seed, epoch)] = (list(sampler), sampler.last.order)
+    assert runs[(0, 1)][0] != runs[(1, 0)][0]
+    assert not torch.equal(runs[(0, 1)][1], runs[(1, 0)][1])
+
+
+def test_sampler_draws_relabelling_and_shuffle_from_named_streams():
+    encoder = PairEncoder()
+    sampler = make_sampler(encoder, seed=3)
+    sampler.set_epoch(2)
+    batches = list(sampler)
+    z1, z2 = sampler.embeddings
+    order = gcbs_permutation(z1, z2, quantile=0.98, seed=stream_seed(3, 2, "gcbs-relabel"))
+    assert torch.equal(sampler.last.order, order)
+    cut = cut_batches(order, 20, "drop")
+    shuffle = torch.randperm(len(cut), generator=generator(3, 2, "gcbs-batch-shuffle"))
+    assert batches == sampler.batches == [cut[b] for b in shuffle.tolist()]
+
+
+def brute_force_gap(z1, z2, batches):
+    """Mean over trained (batch, item) of the global minus the in-batch log-partition, full float64 matrix."""
+    logits = F.normalize(z1.double(), dim=1) @ F.normalize(z2.double(), dim=1).T / TAU
+    terms = [logits[i].logsumexp(0) - logits[i, b].logsumexp(0) for b in batches for i in b]
+    return float(torch.stack(terms).mean())
+
+
+@pytest.mark.parametrize("last_batch", ["drop", "pad"])
+def test_sampler_loss_gap_is_the_gap_of_the_batches_actually_trained_on(last_batch):
+    encoder = PairEncoder(n=210)  # 210 = 10 batches of 20 and 10 left over: dropped or padded
+    keys = [i % 150 for i in range(210)]
+    sampler = make_sampler(encoder, last_batch=last_batch, keys=keys)
+    with pytest.raises(RuntimeError, match="no epoch has started"):
+        sampler.loss_gap(TAU)
+    batches = list(sampler)
+    assert len(batches) == (10 if last_batch == "drop" else 11)
+    z1, z2 = sampler.embeddings
+    assert sampler.loss_gap(TAU) == pytest.approx(brute_force_gap(z1, z2, batches), rel=1e-12)
+
+
+def test_batch_loss_gap_refuses_repeated_out_of_range_and_empty_batches():
+    z1, z2 = synthetic_pairs(10, 4)
+    for batches, message in [([[0, 1, 1]], "twice"), ([[0, 10]], "must lie in"), ([[0], []], "empty"),
+                             ([], "at least one")]:
+        with pytest.raises(ValueError, match=message):
+            batches_loss_gap(z1, z2, batches, TAU)
 
 
 def test_sampler_records_stage_times_and_shows_progress_only_when_asked(capsys):
