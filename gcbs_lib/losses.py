@@ -7,6 +7,11 @@ All losses score every query against every document of the batch, so in-batch do
 with S the score matrix, s the logit scale (1/temperature) and p(i) the column of query i's positive.
 With k hard negatives per query the documents come interleaved `[pos_0, neg_0_1, …, neg_0_k, pos_1, …]`,
 so p(i) = i·(k+1).
+
+Default scales follow each score's range. Dot products of unit vectors (cosines) lie in [−1, 1], so
+`info_nce` multiplies them by 20 (temperature 0.05, UniXcoder's and SimCSE's setting). ColBERT's MaxSim
+already sums one cosine per query token, up to the query length, and ColBERT trains on it unscaled, so
+`late_interaction_loss` uses 1. Pass `scale` explicitly when embeddings are not normalised.
 """
 from __future__ import annotations
 
@@ -76,7 +81,10 @@ def _check_dims(query: torch.Tensor, docs: torch.Tensor) -> None:
 
 
 def info_nce(query: torch.Tensor, docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False) -> torch.Tensor:
-    """InfoNCE over dot-product scores: `query [B, D]`, `docs [B·(1+k), D]` (k hard negatives per query)."""
+    """InfoNCE over dot-product scores: `query [B, D]`, `docs [B·(1+k), D]` (k hard negatives per query).
+
+    `scale` 20 suits unit-norm embeddings (cosine scores, temperature 0.05).
+    """
     if query.dim() != 2 or docs.dim() != 2:
         raise ValueError(f"expected 2-d embeddings, got queries {tuple(query.shape)}, documents {tuple(docs.shape)}")
     _check_dims(query, docs)
@@ -105,7 +113,10 @@ def late_interaction_scores(query: tuple[torch.Tensor, torch.Tensor], docs: tupl
 
 def late_interaction_loss(query: tuple[torch.Tensor, torch.Tensor], docs: tuple[torch.Tensor, torch.Tensor],
                           scale: Scale = 1.0, symmetric: bool = False) -> torch.Tensor:
-    """InfoNCE over ColBERT MaxSim scores (multi-vector queries and documents with masks)."""
+    """InfoNCE over ColBERT MaxSim scores (multi-vector queries and documents with masks).
+
+    `scale` 1: a MaxSim score sums one cosine per query token, so it already spans up to the query length.
+    """
     return contrastive_loss(late_interaction_scores(query, docs), scale, symmetric)
 
 

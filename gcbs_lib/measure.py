@@ -1,20 +1,29 @@
 """What a training step costs: its peak memory and its time, for plain full-batch training vs GradCache.
 
 Memory on CUDA is the allocator's own count (`torch.cuda.max_memory_allocated` above what was allocated
-before the step). On CPU there is no allocator peak to read, so the step runs once in a fresh Python process:
-after a tiny warm-up step we reset the kernel's peak-RSS counter (`/proc/self/clear_refs`), run the step, and
-report how far the peak resident set (`VmHWM`) rose above the resident set before the step (`VmRSS`).
-Linux only; `ru_maxrss` would not do, since it carries the parent's peak across fork and exec.
+before the step). On CPU there is no allocator peak to read, so the step runs once in a fresh Python process,
+after a tiny warm-up step (lazily allocated state), and we report how far the resident set rose above its
+value before the step, read one of two ways (`memory_method` says which applies, `MEMORY_METHODS` describes them):
+
+- `vmhwm` (Linux): reset the kernel's peak-RSS counter (`/proc/self/clear_refs`), run the step, read the
+  peak resident set (`VmHWM`). Exact.
+- `sampled_rss` (macOS, Windows, Linux without a writable clear_refs): a thread reads the resident set
+  (psutil) every 0.2 ms during the step. Portable; it can miss a peak shorter than the interval.
+
+`ru_maxrss` would not do: it carries the parent's peak across fork and exec.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
 
+import psutil
 import torch
 
 from gcbs_lib.gradcache import cached_loss
@@ -65,6 +74,24 @@ def prepare_step(config: StepConfig):
     return step
 
 
+MEMORY_METHODS = {
+    "cuda": "CUDA allocator peak (torch.cuda.max_memory_allocated) above the memory allocated before the step",
+    "vmhwm": "peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set before "
+             "the step, in a fresh process",
+    "sampled_rss": "resident set sampled every 0.2 ms (psutil), its peak above the value before the step, in a "
+                   "fresh process (can miss peaks shorter than the interval)",
+}
+_CLEAR_REFS = "/proc/self/clear_refs"
+_SAMPLE_SECONDS = 2e-4
+
+
+def memory_method(device: str) -> str:
+    """The way `peak_step_memory` measures on `device` here: "cuda", "vmhwm" or "sampled_rss"."""
+    if device.startswith("cuda"):
+        return "cuda"
+    return "vmhwm" if os.access(_CLEAR_REFS, os.W_OK) else "sampled_rss"
+
+
 def _process_memory(field: str) -> int:
     """A memory field of /proc/self/status (VmRSS: resident now, VmHWM: peak resident) in bytes."""
     with open("/proc/self/status") as status:
@@ -72,9 +99,43 @@ def _process_memory(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def peak_step_memory(config: StepConfig) -> int:
-    """Bytes a step needs above what was in memory before it (see the module docstring for how)."""
-    if config.device.startswith("cuda"):
+def _vmhwm_rise(run) -> int:
+    with open(_CLEAR_REFS, "w") as clear_refs:
+        clear_refs.write("5")  # reset the peak-RSS counter to the current RSS
+    baseline = _process_memory("VmRSS")
+    run()
+    return _process_memory("VmHWM") - baseline
+
+
+def _sampled_rss_rise(run) -> int:
+    process, done = psutil.Process(), threading.Event()
+    baseline = process.memory_info().rss
+    peak = baseline
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, process.memory_info().rss)
+            time.sleep(_SAMPLE_SECONDS)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        run()
+    finally:
+        done.set()
+        watcher.join()
+    return max(peak, process.memory_info().rss) - baseline
+
+
+def peak_step_memory(config: StepConfig, method: str | None = None) -> int:
+    """Bytes a step needs above what was in memory before it, measured by `method` (default
+    `memory_method(config.device)`; see `MEMORY_METHODS`)."""
+    method = memory_method(config.device) if method is None else method
+    if method not in MEMORY_METHODS or (method == "cuda") != config.device.startswith("cuda"):
+        raise ValueError(f"method {method!r} does not measure device {config.device!r}; "
+                         f"use one of {list(MEMORY_METHODS)} that does")
+    if method == "cuda":
         step = prepare_step(config)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -82,7 +143,7 @@ def peak_step_memory(config: StepConfig) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    result = subprocess.run([sys.executable, "-m", "gcbs_lib.measure", json.dumps(asdict(config))],
+    result = subprocess.run([sys.executable, "-m", "gcbs_lib.measure", json.dumps(asdict(config)), method],
                             capture_output=True, text=True, timeout=600)
     if result.returncode:
         raise RuntimeError(f"memory probe failed for {config}:\n{result.stderr}")
@@ -105,11 +166,7 @@ def step_seconds(config: StepConfig, repeats: int = 5) -> float:
 
 
 if __name__ == "__main__":  # the fresh process behind peak_step_memory on CPU
-    config = StepConfig(**json.loads(sys.argv[1]))
+    config, method = StepConfig(**json.loads(sys.argv[1])), sys.argv[2]
     run = prepare_step(config)
     prepare_step(StepConfig(**{**asdict(config), "batch_size": 2}))()  # warm up lazy initialisation
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # reset the peak-RSS counter to the current RSS
-    baseline = _process_memory("VmRSS")
-    run()
-    print(_process_memory("VmHWM") - baseline)
+    print({"vmhwm": _vmhwm_rise, "sampled_rss": _sampled_rss_rise}[method](run))

@@ -1,4 +1,10 @@
-"""gcbs_lib.distributed in one process: the identities the multi-process tests build on."""
+"""gcbs_lib.distributed in one process: the identities the multi-process tests build on.
+
+`gather_with_grad`'s backward is checked only in `test_distributed_gloo.py`, on purpose: in one process the
+sum over ranks has a single term, so a backward that stopped summing would still pass here. Across 2–4 gloo
+ranks, a backward that returns only this rank's slice fails the kit-step, real-vs-virtual, exact-ratio and
+reduce-scatter tests there.
+"""
 import pytest
 import torch
 

@@ -175,6 +175,37 @@ def test_rand_context_replays_the_captured_state_and_leaves_the_stream_untouched
     assert torch.equal(torch.get_rng_state(), after_first)
 
 
+def continuation_of(first_draws, count, seed=0):
+    """The `count` numbers that follow `first_draws` numbers of the seeded CPU stream."""
+    torch.manual_seed(seed)
+    torch.rand(first_draws)
+    return torch.rand(count)
+
+
+def test_rand_context_leaves_the_stream_untouched_however_many_numbers_the_replay_draws():
+    torch.manual_seed(0)
+    context = RandContext(torch.zeros(1))
+    first = torch.rand(5)
+    with context:
+        assert torch.equal(torch.rand(2), first[:2])  # fewer than were drawn after the capture
+    assert torch.equal(torch.rand(3), continuation_of(first_draws=5, count=3))
+
+
+def test_the_replays_in_backward_do_not_rewind_the_global_random_stream():
+    def draws_around_backward(backward):
+        setup = make_setup(dropout=0.1)
+        torch.manual_seed(123)
+        loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+        before = torch.rand(4)
+        if backward:
+            loss.backward()
+        return before, torch.rand(4)
+
+    before, after = draws_around_backward(backward=True)
+    expected_before, expected_after = draws_around_backward(backward=False)
+    assert torch.equal(before, expected_before) and torch.equal(after, expected_after)
+
+
 # ---- autograd behaviour ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scale", [1 / 2, 1 / 4, 2.0**16])
@@ -275,7 +306,7 @@ def test_bf16_autocast_replays_bitwise_and_matches_a_bf16_full_batch():
     [h.remove() for h in handles]
     first, replays = calls[:4], calls[4:]
     assert all(torch.equal(f[0], r[0]) for f, r in zip(first, replays))
-    assert max_relative_error(grads, reference) <= 2e-2
+    assert max_relative_error(grads, reference) <= tolerance(torch.bfloat16)  # ~2.4e-3; ~9e-3 without the replay
 
 
 def test_without_autocast_replay_bf16_embeddings_differ(monkeypatch):
