@@ -9,9 +9,11 @@ embedded as z1 (anchors) and z2 (positives), unit rows, and the cosine similarit
    edge land close together in the order, hence mostly in one batch;
 3. cut the order into batches and shuffle the batch order.
 
-S is computed in row blocks of about `BLOCK_ELEMENTS` entries and never held whole. The exact quantile is a
-two-pass radix selection on float32 bit patterns (bounded memory, no sort, no `torch.quantile`). Under
-`torch.distributed` every rank computes its own row blocks and the ranks share histograms and edge lists.
+S is computed in row blocks and never held whole, on the embeddings' device: blocks of `BLOCK_ELEMENTS` entries
+on the CPU, sized to the free memory on a GPU. Step 1 takes one pass over S: a row sample bounds the quantile
+from below, the pass keeps the entries above that bound (the candidate edges), and an exact selection among
+them gives the threshold (no sort of S, no `torch.quantile`). Under `torch.distributed` every rank computes its
+own row blocks and the ranks share counts, histograms and edge lists.
 `loss_gap`, `topk_batch_share` and `bandwidth` measure what an order achieves.
 """
 from __future__ import annotations
@@ -34,7 +36,10 @@ from tqdm import tqdm
 
 from gcbs_lib.seeding import generator, stream_seed
 
-BLOCK_ELEMENTS = 2**22  # similarity entries held at once: 16 MiB of float32
+BLOCK_ELEMENTS = 2**22  # similarity entries held at once on the CPU: 16 MiB of float32
+DEVICE_BYTES_PER_ENTRY, DEVICE_MAX_ELEMENTS = 8, 2**30  # GPU blocks: bytes per entry budgeted, largest block
+SAMPLE_ROWS = 256  # rows of S sampled to bound the quantile from below before the pass
+CONFIDENCE = 6.0  # margin of that bound, in standard errors of the sample's estimate
 
 LastBatch = Literal["drop", "pad"]
 
@@ -48,6 +53,8 @@ def _check_pairs(z1: torch.Tensor, z2: torch.Tensor) -> int:
             raise ValueError(f"{name} must be a 2-D tensor [N, d], got {getattr(z, 'shape', type(z))}")
     if z1.shape != z2.shape:
         raise ValueError(f"z1 and z2 must have the same shape, got {tuple(z1.shape)} and {tuple(z2.shape)}")
+    if z1.device != z2.device:
+        raise ValueError(f"z1 and z2 must be on the same device, got {z1.device} and {z2.device}")
     if z1.numel() == 0:
         raise ValueError(f"empty embeddings: shape {tuple(z1.shape)}")
     for name, z in (("z1", z1), ("z2", z2)):
@@ -56,10 +63,11 @@ def _check_pairs(z1: torch.Tensor, z2: torch.Tensor) -> int:
     return len(z1)
 
 
-def _unit_rows(z1: torch.Tensor, z2: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked embeddings with unit rows, in `dtype`, on the CPU."""
+def _unit_rows(z1: torch.Tensor, z2: torch.Tensor, dtype=torch.float32,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked embeddings with unit rows, in `dtype`, on `device`."""
     _check_pairs(z1, z2)
-    return tuple(F.normalize(z.detach().to("cpu", dtype), dim=1).contiguous() for z in (z1, z2))
+    return tuple(F.normalize(z.detach().to(device, dtype), dim=1).contiguous() for z in (z1, z2))
 
 
 def _check_quantile(quantile: float) -> None:
@@ -79,48 +87,97 @@ def _check_batch_size(batch_size: int, n: int) -> None:
 
 # ------------------------------------------------------------------------------- similarity blocks
 
-def row_blocks(n: int, rank: int = 0, world_size: int = 1) -> list[range]:
-    """This rank's contiguous share of the row blocks of an n×n similarity matrix.
+def _block_rows(n: int, device: torch.device, world_size: int) -> int:
+    """Rows per similarity block: `BLOCK_ELEMENTS` entries on the CPU; on a GPU as many as a quarter of its free
+    memory holds at `DEVICE_BYTES_PER_ENTRY` (the block, its masks, its kept indices), the fewest over the ranks."""
+    if device.type != "cuda":
+        return max(1, BLOCK_ELEMENTS // n)
+    free, _ = torch.cuda.mem_get_info(device)
+    rows = max(1, min(free // 4 // DEVICE_BYTES_PER_ENTRY, DEVICE_MAX_ELEMENTS) // n)
+    return int(_all_reduce(np.array([rows]), world_size, dist.ReduceOp.MIN)[0])
+
+
+def row_blocks(n: int, rank: int = 0, world_size: int = 1, rows: int | None = None) -> list[range]:
+    """This rank's contiguous share of the row blocks (`rows` each, default `BLOCK_ELEMENTS // n`) of an n×n matrix.
 
     The blocks lie on one grid whatever the world size, so every entry comes out of the same matrix product
     in one process or in many: the similarities, hence the graph and the order, are bitwise the same.
     """
-    rows = max(1, BLOCK_ELEMENTS // n)
+    rows = rows or max(1, BLOCK_ELEMENTS // n)
     starts = range(0, n, rows)
     per_rank = math.ceil(len(starts) / world_size)
     return [range(s, min(s + rows, n)) for s in starts[rank * per_rank:(rank + 1) * per_rank]]
 
 
-def similarity_blocks(z1, z2, rank: int = 0, world_size: int = 1) -> Iterator[tuple[range, np.ndarray]]:
-    """Yield (rows, S[rows]) for this rank's row blocks: cosine similarities in float32, diagonal set to −inf."""
-    z1, z2 = _unit_rows(z1, z2)
-    for rows in row_blocks(len(z1), rank, world_size):
-        block = (z1[rows.start:rows.stop] @ z2.T).numpy()
-        block[np.arange(len(rows)), np.arange(rows.start, rows.stop)] = -np.inf
+def _blocks(z1, z2, rank: int, world_size: int) -> Iterator[tuple[range, torch.Tensor]]:
+    """(rows, S[rows]) for this rank's row blocks, on the embeddings' device: float32, diagonal −inf."""
+    z1, z2 = _unit_rows(z1, z2, device=z1.device)
+    for rows in row_blocks(len(z1), rank, world_size, _block_rows(len(z1), z1.device, world_size)):
+        block = z1[rows.start:rows.stop] @ z2.T
+        diagonal = torch.arange(rows.start, rows.stop, device=block.device)
+        block[diagonal - rows.start, diagonal] = -math.inf
         yield rows, block
 
 
-def _sum_over_ranks(counts: np.ndarray, world_size: int) -> np.ndarray:
-    """Add up a histogram over the ranks of the default process group (nothing to do in one process)."""
-    if world_size > 1:
-        summed = torch.from_numpy(counts)
-        dist.all_reduce(summed)
-        counts = summed.numpy()
-    return counts
+def similarity_blocks(z1, z2, rank: int = 0, world_size: int = 1) -> Iterator[tuple[range, np.ndarray]]:
+    """Yield (rows, S[rows]) for this rank's row blocks: cosine similarities in float32, diagonal set to −inf."""
+    for rows, block in _blocks(z1, z2, rank, world_size):
+        yield rows, block.cpu().numpy()
 
 
-# --------------------------------------------------------------------- exact quantile (radix select)
-# A float32 is two uint16 halves: the high one holds sign, exponent and 7 mantissa bits. Sorting floats is
-# sorting (high, low) pairs, with both orders reversed for negative numbers. So a 65,536-bin histogram of the
-# high halves finds the bin of the k-th smallest value, and one of the low halves inside that bin finds the value.
+def _all_reduce(values: np.ndarray, world_size: int, op=dist.ReduceOp.SUM) -> np.ndarray:
+    """`values` reduced over the ranks of the default process group (as is in one process; on the GPU for NCCL)."""
+    if world_size == 1:
+        return values
+    tensor = torch.from_numpy(np.ascontiguousarray(values))
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op)
+    return tensor.cpu().numpy()
+
+
+def _in_range(block: torch.Tensor, lo: float, below: float) -> tuple[np.ndarray, np.ndarray]:
+    """Flat (row-major) indices and values, on the CPU, of the block's entries s with lo ≤ s < below."""
+    if block.is_cuda:
+        flat = ((block >= lo) & (block < below)).view(-1).nonzero().squeeze(1)
+        return flat.cpu().numpy(), block.view(-1)[flat].cpu().numpy()
+    values = block.numpy().ravel()
+    keep = values >= lo
+    if below < math.inf:
+        keep &= values < below
+    flat = np.flatnonzero(keep)
+    return flat, values[flat]
+
+
+def _similarities_in(z1, z2, lo: float, below: float, rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One pass over this rank's row blocks: the entries lo ≤ S_ij < below, as flat indices i·N + j in row-major
+    order and float32 values (lo and below are float32 numbers or ±inf, so the comparisons are exact)."""
+    n = len(z1)
+    flats, values = [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
+    for rows, block in _blocks(z1, z2, rank, world_size):
+        flat, value = _in_range(block, lo, below)
+        flats.append(flat + rows.start * n)
+        values.append(value)
+    return np.concatenate(flats), np.concatenate(values)
+
+
+# ------------------------------------------------------------- exact quantile in one pass over S
+# A row sample gives a lower bound `lo` on the threshold that holds with overwhelming probability. One pass over
+# S keeps every entry ≥ lo: these are the candidate edges, and the exact order statistics lie among them, since
+# the number of entries below lo is known (N² minus the kept ones, over all ranks). A radix selection on the
+# candidates' float32 bit patterns finds them: a float32 is two uint16 halves, the high one holding sign,
+# exponent and 7 mantissa bits, and sorting floats is sorting (high, low) pairs, both orders reversed for
+# negative numbers. So a 65,536-bin histogram of the high halves finds the bin of the k-th smallest value, and
+# one of the low halves inside that bin finds the value. If the bound missed (never seen so far), a further
+# pass keeps the entries between a lower bound and the previous one; `GCBSOrder.passes` counts the passes.
 
 _HIGH = 1 if np.little_endian else 0
 _BINS = 1 << 16
 _HIGH_IN_VALUE_ORDER = np.concatenate([np.arange(_BINS - 1, _BINS // 2 - 1, -1), np.arange(_BINS // 2)])
 
 
-def _halves(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    pairs = block.view(np.uint16).reshape(-1, 2)
+def _halves(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    pairs = values.view(np.uint16).reshape(-1, 2)
     return pairs[:, _HIGH], pairs[:, 1 - _HIGH]
 
 
@@ -131,28 +188,72 @@ def _locate(counts: np.ndarray, k: int) -> tuple[int, int]:
     return b, k - int(cumulative[b - 1] if b else 0)
 
 
-def _order_statistics(z1, z2, ranks: Sequence[int], rank: int, world_size: int) -> list[float]:
-    """Exact values of the given 0-based ranks among all entries of the similarity (diagonal −inf)."""
-    high = np.zeros(_BINS, np.int64)
-    for _, block in similarity_blocks(z1, z2, rank, world_size):
-        high += np.bincount(_halves(block)[0], minlength=_BINS)
-    high = _sum_over_ranks(high, world_size)[_HIGH_IN_VALUE_ORDER]
-    located = [_locate(high, k) for k in ranks]
-    targets = sorted({int(_HIGH_IN_VALUE_ORDER[b]) for b, _ in located})
-    low = {h: np.zeros(_BINS, np.int64) for h in targets}
-    for _, block in similarity_blocks(z1, z2, rank, world_size):
-        hi, lo = _halves(block)
-        for h in targets:
-            low[h] += np.bincount(lo[hi == h], minlength=_BINS)
-    low = {h: _sum_over_ranks(counts, world_size) for h, counts in low.items()}
-    values = []
-    for b, k in located:
+def _order_statistics(values: np.ndarray, ranks: Sequence[int], world_size: int) -> list[float]:
+    """Exact values of the given 0-based ranks among the float32 `values` of all ranks together."""
+    high_half, low_half = _halves(values)
+    high = _all_reduce(np.bincount(high_half, minlength=_BINS), world_size)[_HIGH_IN_VALUE_ORDER]
+    found = []
+    for b, k in [_locate(high, k) for k in ranks]:
         h = int(_HIGH_IN_VALUE_ORDER[b])
+        low = _all_reduce(np.bincount(low_half[high_half == h], minlength=_BINS), world_size)
         positive = h < _BINS // 2
-        l, _ = _locate(low[h] if positive else low[h][::-1], k)
+        l, _ = _locate(low if positive else low[::-1], k)
         bits = np.array([(h << 16) | (l if positive else _BINS - 1 - l)], np.uint32)
-        values.append(float(bits.view(np.float32)[0]))
-    return values
+        found.append(float(bits.view(np.float32)[0]))
+    return found
+
+
+def _sample_bound(sample: np.ndarray, n: int, need: int, confidence: float) -> float:
+    """The largest sampled value x for which the estimated count of entries ≥ x in all of S exceeds `need` by
+    `confidence` standard errors (plus `confidence`·√need), or −inf. `sample`: r full rows of S, flattened.
+
+    The estimate is N times the mean count per sampled row; its standard error is finite-population corrected,
+    so a sample of every row has none. The √need term covers rounding differences between the sample's matrix
+    product and the pass's.
+    """
+    size, r = sample.size, sample.size // n
+    scale = n * math.sqrt(max(0.0, 1 - r / n) / r)
+    expected = max(1.0, need * r / n)  # sample entries ≥ the threshold, on average
+    k = min(size, 2 * math.ceil(expected) + 64)
+    while True:
+        top = np.argpartition(sample, size - k)[size - k:]
+        top = top[np.argsort(sample[top], kind="stable")[::-1]]
+        values, owners = sample[top], top // n
+        for p in np.unique(np.geomspace(expected, k, 64).astype(np.int64)):
+            x = values[p - 1]
+            if x == -math.inf:
+                break
+            counts = np.bincount(owners[:np.searchsorted(-values, -x, side="right")], minlength=r)
+            if n * counts.mean() - confidence * (scale * counts.std(ddof=1) + math.sqrt(need)) >= need:
+                return float(x)
+        if k == size:
+            return -math.inf
+        k = min(size, 4 * k)
+
+
+def _lower_bounds(z1, z2, need: int, world_size: int) -> Iterator[float]:
+    """Decreasing lower bounds (float32 numbers, then −inf) on the value that `need` entries of S reach or exceed.
+
+    From `SAMPLE_ROWS` random rows of S: the first bound keeps `CONFIDENCE` standard errors of margin, each next
+    one 4× more. The smallest over the ranks, so that all ranks pass over S alike.
+    """
+    n = len(z1)
+    rng = np.random.default_rng(stream_seed(0, 0, "gcbs-quantile-sample"))
+    rows = torch.from_numpy(np.sort(rng.choice(n, min(n, SAMPLE_ROWS), replace=False)))
+    u1, u2 = _unit_rows(z1, z2, device=z1.device)
+    rows = rows.to(u1.device)
+    sample = u1[rows] @ u2.T
+    sample[torch.arange(len(rows), device=u1.device), rows] = -math.inf
+    sample = sample.cpu().numpy().ravel()
+    previous = math.inf
+    for confidence in (CONFIDENCE, 4 * CONFIDENCE, 16 * CONFIDENCE):
+        bound = float(_all_reduce(np.array([_sample_bound(sample, n, need, confidence)]), world_size,
+                                  dist.ReduceOp.MIN)[0])
+        if bound < previous:
+            yield bound
+            previous = bound
+    if previous > -math.inf:
+        yield -math.inf
 
 
 def _lerp(a: float, b: float, t: float) -> float:
@@ -160,15 +261,19 @@ def _lerp(a: float, b: float, t: float) -> float:
     return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
 
 
-def offdiagonal_quantile(z1, z2, quantile: float, *, rank: int = 0, world_size: int = 1) -> float:
-    """Exact `quantile` of the N(N−1) off-diagonal cosine similarities, by numpy's default rule.
+@dataclass
+class _Candidates:
+    """This rank's entries of S at or above a lower bound of the threshold (flat indices i·N + j, row-major, and
+    values), the exact threshold, and the passes over S it took."""
 
-    numpy's 'linear' method (Hyndman–Fan type 7): sort the M values as float32 x_0 ≤ … ≤ x_{M−1}, take the
-    position h = (M−1)·q and interpolate between x_⌊h⌋ and x_⌊h⌋+1 in float64, so the result equals
-    `np.quantile(offdiagonal.astype(np.float64), q)`. Memory: one row block and a few 65,536-bin histograms,
-    whatever N. With world_size > 1 (torch.distributed initialised) every rank histograms its own row
-    blocks, the histograms are summed, and every rank gets the same value.
-    """
+    flat: np.ndarray
+    values: np.ndarray
+    threshold: float
+    passes: int
+
+
+def _quantile_pass(z1, z2, quantile: float, rank: int, world_size: int) -> _Candidates:
+    """The exact off-diagonal `quantile` of S and the candidate edges, in one pass over S (see above)."""
     _check_quantile(quantile)
     n = _check_pairs(z1, z2)
     if n < 2:
@@ -177,8 +282,34 @@ def offdiagonal_quantile(z1, z2, quantile: float, *, rank: int = 0, world_size: 
     position = (m - 1) * quantile
     below = math.floor(position)
     ranks = [n + below, n + min(below + 1, m - 1)]  # the N diagonal −inf entries come first
-    a, b = _order_statistics(z1, z2, ranks, rank, world_size)
-    return _lerp(a, b, position - below)
+    need = n * n - ranks[0]
+    flats, values, passes, upper = [], [], 0, math.inf
+    for lo in _lower_bounds(z1, z2, need, world_size):
+        flat, value = _similarities_in(z1, z2, lo, upper, rank, world_size)
+        flats.append(flat)
+        values.append(value)
+        passes, upper = passes + 1, lo
+        kept = int(_all_reduce(np.array([sum(len(v) for v in values)]), world_size)[0])
+        if kept >= need:
+            break
+    flat, value = np.concatenate(flats), np.concatenate(values)
+    if passes > 1:  # back to row-major order
+        order = np.argsort(flat, kind="stable")
+        flat, value = flat[order], value[order]
+    a, b = _order_statistics(value, [r - (n * n - kept) for r in ranks], world_size)
+    return _Candidates(flat, value, _lerp(a, b, position - below), passes)
+
+
+def offdiagonal_quantile(z1, z2, quantile: float, *, rank: int = 0, world_size: int = 1) -> float:
+    """Exact `quantile` of the N(N−1) off-diagonal cosine similarities, by numpy's default rule.
+
+    numpy's 'linear' method (Hyndman–Fan type 7): sort the M values as float32 x_0 ≤ … ≤ x_{M−1}, take the
+    position h = (M−1)·q and interpolate between x_⌊h⌋ and x_⌊h⌋+1 in float64, so the result equals
+    `np.quantile(offdiagonal.astype(np.float64), q)`. One pass over S in row blocks (see above); with
+    world_size > 1 (torch.distributed initialised) every rank passes over its own row blocks, the ranks share
+    counts and histograms, and every rank gets the same value.
+    """
+    return _quantile_pass(z1, z2, quantile, rank, world_size).threshold
 
 
 # ------------------------------------------------------------------------------------------ graph
@@ -187,6 +318,11 @@ def _float32_at_most(x: float) -> np.float32:
     """The largest float32 ≤ x: for float32 s, `s > it` holds exactly when s > x."""
     y = np.float32(x)
     return np.nextafter(y, np.float32(-np.inf)) if y > x else y
+
+
+def _above(flat: np.ndarray, values: np.ndarray, threshold: float, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (rows, columns) of the entries whose value lies above `threshold`."""
+    return np.divmod(flat[values > _float32_at_most(threshold)], n)
 
 
 def _top_columns(block: np.ndarray, k: int) -> np.ndarray:
@@ -205,17 +341,15 @@ def graph_rows(z1, z2, *, threshold: float | None = None, top_k: int | None = No
     if (threshold is None) == (top_k is None):
         raise ValueError("give exactly one of threshold and top_k")
     n = _check_pairs(z1, z2)
-    if top_k is not None and not 1 <= top_k < n:
+    if threshold is not None:
+        lo = float(np.nextafter(_float32_at_most(threshold), np.float32(np.inf)))  # s > threshold ⇔ s ≥ lo
+        return _above(*_similarities_in(z1, z2, lo, math.inf, rank, world_size), threshold, n)
+    if not 1 <= top_k < n:
         raise ValueError(f"top_k must be between 1 and N − 1 = {n - 1}, got {top_k}")
     rows, cols = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     for block_rows, block in similarity_blocks(z1, z2, rank, world_size):
-        if top_k is None:
-            r, c = np.divmod(np.flatnonzero(block > _float32_at_most(threshold)), n)
-        else:
-            c = _top_columns(block, top_k).ravel()
-            r = np.repeat(np.arange(len(block_rows)), top_k)
-        rows.append(r + block_rows.start)
-        cols.append(c)
+        rows.append(np.repeat(np.arange(len(block_rows)), top_k) + block_rows.start)
+        cols.append(_top_columns(block, top_k).ravel())
     return np.concatenate(rows), np.concatenate(cols)
 
 
@@ -249,7 +383,8 @@ def rcm_order(graph: sp.csr_matrix, seed: int | None = None) -> torch.Tensor:
 
 @dataclass
 class StageTimes:
-    """Seconds spent in each stage of one GCBS epoch start ('similarity' finds the quantile threshold)."""
+    """Seconds spent in each stage of one GCBS epoch start: 'similarity' is the pass over S that finds the
+    threshold and the candidate edges, 'graph' keeps the edges and builds the sparse graph."""
 
     embed: float = 0.0
     similarity: float = 0.0
@@ -264,13 +399,16 @@ class StageTimes:
 @dataclass
 class GCBSOrder:
     """A GCBS order with what produced it: the undirected graph, the threshold (None in top-k mode), the
-    number of directed edges (row i, column j) kept before symmetrising, and the stage times."""
+    number of directed edges (row i, column j) kept before symmetrising, the stage times, the passes over S
+    (1 unless the sampled bound missed) and the candidate entries the pass kept (all ranks together)."""
 
     order: torch.Tensor
     graph: sp.csr_matrix
     threshold: float | None
     edges: int
     times: StageTimes = field(default_factory=StageTimes)
+    passes: int = 1
+    candidates: int = 0
 
 
 class _Stopwatch:
@@ -291,20 +429,28 @@ def gcbs_order(z1, z2, quantile: float = 0.999, seed: int | None = None, *, top_
 
     `top_k` switches to the top-k-per-row graph (for large N); `quantile` is then unused. With world_size > 1
     (torch.distributed initialised, every rank holding the same z1, z2 and seed) each rank computes its own
-    row blocks, the ranks share histograms and edge lists, and every rank returns the single-process order.
+    row blocks, the ranks share counts, histograms and edge lists, and every rank returns the single-process
+    order. Embeddings on a GPU keep the similarity work there.
     """
     if world_size > 1 and seed is None:
         raise ValueError("give a seed with world_size > 1, so that every rank relabels the graph alike")
-    clock, times = _Stopwatch(), StageTimes()
-    threshold = offdiagonal_quantile(z1, z2, quantile, rank=rank, world_size=world_size) if top_k is None else None
-    times.similarity = clock.lap()
-    rows, cols = graph_rows(z1, z2, threshold=threshold, top_k=top_k, rank=rank, world_size=world_size)
+    clock, times, n = _Stopwatch(), StageTimes(), _check_pairs(z1, z2)
+    if top_k is None:
+        found = _quantile_pass(z1, z2, quantile, rank, world_size)
+        threshold, passes = found.threshold, found.passes
+        candidates = int(_all_reduce(np.array([len(found.values)]), world_size)[0])
+        times.similarity = clock.lap()
+        rows, cols = _above(found.flat, found.values, threshold, n)
+    else:
+        threshold, passes, candidates = None, 1, 0
+        rows, cols = graph_rows(z1, z2, top_k=top_k, rank=rank, world_size=world_size)
+        times.similarity = clock.lap()
     rows, cols = _gather_edges(rows, cols, world_size)
-    graph = edges_to_graph(rows, cols, len(z1))
+    graph = edges_to_graph(rows, cols, n)
     times.graph = clock.lap()
     order = rcm_order(graph, seed)
     times.rcm = clock.lap()
-    return GCBSOrder(order, graph, threshold, len(rows), times)
+    return GCBSOrder(order, graph, threshold, len(rows), times, passes, candidates)
 
 
 def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -> torch.Tensor:

@@ -5,13 +5,14 @@ import socket
 import numpy as np
 import pytest
 from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_flow
+from scipy.sparse.csgraph import maximum_flow, reverse_cuthill_mckee
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from gcbs_lib import gcbs
 from gcbs_lib.gcbs import (GCBSBatchSampler, bandwidth, batches_loss_gap, cut_batches, edges_to_graph, gcbs_order,
                            gcbs_permutation, graph_rows, loss_gap, offdiagonal_quantile, separate_duplicates,
                            similarity_blocks, synthetic_pairs, topk_batch_share)
@@ -61,6 +62,71 @@ def test_permutation_orders_every_item_once_and_follows_the_seed():
     assert torch.equal(order.sort().values, torch.arange(500))
     assert torch.equal(order, gcbs_permutation(z1, z2, quantile=0.99, seed=1))
     assert not torch.equal(order, gcbs_permutation(z1, z2, quantile=0.99, seed=2))
+
+
+def reference_order(z1, z2, quantile, seed):
+    """The GCBS order as the kit computed it before the one-pass design, written plainly: the whole similarity
+    matrix from the same row blocks of 2^22 entries, numpy's quantile of its off-diagonal entries, the entries
+    above it as edges, RCM after the seeded relabelling. Returns (threshold, directed edge count, graph, order)."""
+    u1, u2 = (F.normalize(z.float(), dim=1) for z in (z1, z2))
+    n = len(u1)
+    rows = max(1, 2**22 // n)
+    similarity = torch.cat([u1[s:s + rows] @ u2.T for s in range(0, n, rows)]).numpy().astype(np.float64)
+    np.fill_diagonal(similarity, np.nan)
+    threshold = np.quantile(similarity[~np.isnan(similarity)], quantile)
+    directed = csr_matrix(np.nan_to_num(similarity, nan=-np.inf) > threshold)
+    graph = (directed + directed.T).tocsr()
+    relabel = np.random.default_rng(seed).permutation(n)
+    order = relabel[reverse_cuthill_mckee(graph[relabel][:, relabel].tocsr(), symmetric_mode=True)]
+    return threshold, directed.nnz, graph, torch.from_numpy(order.astype(np.int64))
+
+
+def tied_pairs(n, dim, seed=0):
+    """A third of the items coincide (many equal similarities), and the positives point the other way."""
+    z1 = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
+    z1[:n // 3] = z1[0]
+    return z1, -z1
+
+
+DATA_SETS = {  # name: (z1, z2, quantile)
+    "clustered, 3 blocks": (*synthetic_pairs(3000, 16, clusters=40, seed=1), 0.999),
+    "isotropic": (*synthetic_pairs(1500, 32, seed=2), 0.995),
+    "tight clusters, low q": (*synthetic_pairs(700, 8, clusters=5, spread=0.05, seed=3), 0.25),
+    "ties and negatives": (*tied_pairs(400, 4), 0.97),
+    "three items": (*synthetic_pairs(3, 4, seed=4), 0.5),
+}
+
+
+def same_graph(a, b):
+    return a.shape == b.shape and (a != b).nnz == 0
+
+
+@pytest.mark.parametrize("name", DATA_SETS)
+def test_one_pass_gives_the_threshold_graph_and_order_of_the_full_matrix_reference(name):
+    z1, z2, quantile = DATA_SETS[name]
+    threshold, edges, graph, order = reference_order(z1, z2, quantile, seed=5)
+    result = gcbs_order(z1, z2, quantile, seed=5)
+    assert result.threshold == threshold and result.edges == edges
+    assert same_graph(result.graph, graph)
+    assert torch.equal(result.order, order)
+    assert result.passes == 1
+
+
+def test_a_missed_sample_bound_costs_a_second_pass_and_changes_nothing(monkeypatch):
+    z1, z2, quantile = DATA_SETS["clustered, 3 blocks"]
+    threshold, _, graph, order = reference_order(z1, z2, quantile, seed=5)
+    bound = gcbs._sample_bound  # the first bound now lies above the quantile
+    monkeypatch.setattr(gcbs, "_sample_bound", lambda sample, n, need, confidence: float(np.float32(threshold + 0.01))
+                        if confidence == gcbs.CONFIDENCE else bound(sample, n, need, confidence))
+    result = gcbs_order(z1, z2, quantile, seed=5)
+    assert result.passes == 2 and result.candidates > result.edges
+    assert result.threshold == threshold and same_graph(result.graph, graph) and torch.equal(result.order, order)
+
+
+def test_the_pass_keeps_few_candidates_beyond_the_edges():
+    z1, z2, quantile = DATA_SETS["clustered, 3 blocks"]
+    result = gcbs_order(z1, z2, quantile, seed=0)
+    assert result.edges <= result.candidates <= 3 * result.edges  # 6 standard errors of a 256-row sample
 
 
 def test_positive_pairs_on_the_diagonal_are_never_edges():
