@@ -50,8 +50,9 @@ import torch
 from gcbs_lib.check import cmp_table, compare, relative_error, tolerance
 from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks
 from gcbs_lib.losses import LogitScale, info_nce
-from gcbs_lib.measure import StepConfig, peak_step_memory, step_seconds
+from gcbs_lib.measure import MEMORY_METHODS, StepConfig, memory_method, peak_step_memory, step_seconds
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
+from gcbs_lib.results import record, result_row
 
 torch.manual_seed(seed)
 n_docs = batch_size * (1 + hard_negatives)
@@ -183,7 +184,8 @@ assert all(error <= tolerance(getattr(torch, dtype)) for (dtype, _), error in er
 # %%
 encoders, scale, batches, loss_fn = make_experiment(torch.float64, dropout=0.1)
 query_encoder, queries = encoders[0], batches[0]
-print("two train-mode forwards equal:", torch.equal(query_encoder(queries), query_encoder(queries)))
+dropout_active = not torch.equal(query_encoder(queries), query_encoder(queries))
+print("two train-mode forwards differ (dropout is active):", dropout_active)
 
 context = RandContext(queries["input_ids"])
 first = query_encoder(queries)
@@ -200,8 +202,9 @@ recorded = []
 hooks = [e.register_forward_hook(lambda m, args, out: recorded.append(out.detach().clone())) for e in encoders]
 cached_loss(loss_fn, encoders, batches, 5).backward()
 [hook.remove() for hook in hooks]
-first_pass, replays = recorded[: len(recorded) // 2], recorded[len(recorded) // 2:]
-replay_bitwise = all(torch.equal(a, b) for a, b in zip(first_pass, replays))
+n_chunks = -(-batch_size // 5) + -(-n_docs // 5)  # chunks of 5 rows, queries and documents
+first_pass, replays = recorded[:n_chunks], recorded[n_chunks:]
+replay_bitwise = len(replays) == n_chunks and all(torch.equal(a, b) for a, b in zip(first_pass, replays))
 print(f"{len(first_pass)} chunks encoded, {len(replays)} replayed; all bitwise equal: {replay_bitwise}")
 
 # %% [markdown]
@@ -244,10 +247,16 @@ print("(2^16 · loss).backward() gives exactly 2^16 × the gradients:", scaling_
 # %%
 for e in encoders + [scale]:
     e.zero_grad(set_to_none=True)
+calls = []
+hooks = [e.register_forward_hook(lambda m, args, out: calls.append(len(out))) for e in encoders]
 with torch.no_grad():
     loss = cached_loss(loss_fn, encoders, batches, 5)
+[hook.remove() for hook in hooks]
 no_grad_clean = not loss.requires_grad and all(p.grad is None for e in encoders for p in e.parameters())
 print(f"under no_grad: loss {loss.item():.4f}, requires_grad={loss.requires_grad}, gradients untouched={no_grad_clean}")
+print(f"encoder calls: {len(calls)} (the {n_chunks} chunks once, no replay), rows encoded: {sum(calls)} of "
+      f"{batch_size + n_docs}")
+no_replay = len(calls) == n_chunks and sum(calls) == batch_size + n_docs
 
 # %% [markdown]
 # ## 6 · What it saves: peak memory against batch size
@@ -257,10 +266,13 @@ print(f"under no_grad: loss {loss.item():.4f}, requires_grad={loss.requires_grad
 #
 # *How it is measured.* On CUDA: `torch.cuda.max_memory_allocated()` above the memory in use before the step.
 # On CPU there is no allocator peak to read, so each point runs in a **fresh process**: after a tiny warm-up step
-# (lazily allocated state), the kernel's peak-RSS counter is reset and we record how far the peak resident set
-# (`VmHWM`) rises above the resident set before the step. Model: `TinyTextEncoder(dim=64, layers=2)`, 32 tokens per text, query and document branches.
+# (lazily allocated state) we record how far the resident set rises above its value before the step. On Linux
+# the kernel keeps the peak for us (`VmHWM`, reset through `/proc/self/clear_refs`); elsewhere (macOS, Windows)
+# a thread samples the resident set every 0.2 ms, which can miss a very short peak. The cell says which ran.
+# Model: `TinyTextEncoder(dim=64, layers=2)`, 32 tokens per text, query and document branches.
 
 # %%
+print(f"memory measure: {memory_method(device)}, {MEMORY_METHODS[memory_method(device)]}")
 memory_mib = {method: [peak_step_memory(StepConfig(method, b, memory_chunk_size, device=device)) / 2**20
                        for b in memory_batch_sizes] for method in ("plain", "gradcache")}
 print(f"{'batch':>6} {'plain MiB':>10} {'GradCache MiB':>14}")
@@ -271,8 +283,10 @@ for i, b in enumerate(memory_batch_sizes):
 fig, ax = plt.subplots(figsize=(5.5, 3.5))
 for method, label in (("plain", "plain full batch"), ("gradcache", f"GradCache, chunk {memory_chunk_size}")):
     ax.plot(memory_batch_sizes, memory_mib[method], marker="o", label=label)
-ax.set(xlabel="batch size B", ylabel="peak memory of one step (MiB)", xscale="log", title=f"Peak memory ({device})")
+ax.set(xlabel="batch size B", ylabel="peak memory of one step (MiB)", xscale="log",
+       title=f"Peak memory ({device}, {memory_method(device)})")
 ax.set_xticks(memory_batch_sizes, [str(b) for b in memory_batch_sizes])
+ax.xaxis.set_minor_locator(plt.NullLocator())  # no minor ticks (and labels) between the batch sizes
 ax.legend()
 plt.show()
 
@@ -306,12 +320,34 @@ print(f"GradCache/plain step time: measured {measured:.2f}, predicted from the p
 # transformer it approaches 4/3. Either way the trade is explicit: a fixed memory budget for one extra forward.
 
 # %% [markdown]
+# ## Result rows
+#
+# The measured numbers as rows of the kit's results table (`gcbs_lib.results`): `python -m gcbs_lib.reproduce`
+# collects them from every notebook into one table; run interactively, nothing is written.
+
+# %%
+row = partial(result_row, experiment="gradcache", seed=seed, profile=profile, data="synthetic",
+              model="TinyTextEncoder")
+largest, smallest = memory_batch_sizes[-1], memory_batch_sizes[0]
+result_rows = [row(arm="kit", metric=f"max_rel_grad_error_{d}", value=max(e for (t, _), e in errors.items() if t == d))
+               for d in ("float64", "float32")]
+result_rows += [row(arm="kit", metric="dropout_rel_grad_error", value=dropout_error)]
+for m in ("plain", "gradcache"):
+    result_rows += [row(arm=m, metric=f"peak_memory_mib_B{largest}", value=memory_mib[m][-1]),
+                    row(arm=m, metric=f"memory_growth_B{smallest}_to_{largest}", value=growth[m]),
+                    row(arm=m, metric=f"step_ms_B{timing_batch_size}", value=1e3 * times[m])]
+record(result_rows, "01_gradcache")
+for r in result_rows:
+    print(f"{r['experiment']:<10} {r['arm']:<10} {r['metric']:<30} {r['value']:.3g}")
+
+# %% [markdown]
 # ## Checks
 
 # %%
 assert all(error <= tolerance(getattr(torch, dtype)) for (dtype, _), error in errors.items())
+assert dropout_active, "dropout must change the forward, or the replay checks below prove nothing"
 assert replay_bitwise and dropout_error <= 1e-12
-assert scaling_exact and no_grad_clean
+assert scaling_exact and no_grad_clean and no_replay
 assert growth["plain"] > 0.5 * batch_growth, "plain peak memory should grow with the batch"
 assert growth["gradcache"] < 2.0, "GradCache peak memory should stay nearly flat"
 
@@ -321,7 +357,9 @@ print("fp64 gradients within 1e-12 for chunk sizes", chunk_sizes, ":",
       all(e <= 1e-12 for (d, _), e in errors.items() if d == "float64"))
 print("fp32 gradients within 1e-5 for chunk sizes", chunk_sizes, ":",
       all(e <= 1e-5 for (d, _), e in errors.items() if d == "float32"))
-print("dropout replay bitwise:", replay_bitwise, "| gradients with same masks within 1e-12:", dropout_error <= 1e-12)
-print("loss scaling exact:", scaling_exact, "| no_grad adds no gradients:", no_grad_clean)
+print("dropout active:", dropout_active, "| replay bitwise:", replay_bitwise,
+      "| gradients with same masks within 1e-12:", dropout_error <= 1e-12)
+print("loss scaling exact:", scaling_exact, "| no_grad adds no gradients and replays nothing:",
+      no_grad_clean and no_replay)
 print("memory: plain grows with the batch:", growth["plain"] > 0.5 * batch_growth,
       "| GradCache stays flat:", growth["gradcache"] < 2.0)
