@@ -1,15 +1,20 @@
-# gcbs-kit: `make reproduce` runs every notebook headlessly; `make test` runs the whole test suite.
-# Both bootstrap .venv on a fresh machine that has only Python 3.11.
+# gcbs-kit: `make lab` opens the notebooks in JupyterLab; `make reproduce` runs every notebook headlessly;
+# `make test` runs the whole test suite. Each bootstraps .venv on a fresh machine that has only Python 3.11.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
-RUN_DIR := runs/$(shell date +%Y%m%d-%H%M%S)
+# torch==2.13.0 from the default index: CUDA-enabled on Linux x86_64 from PyPI (several GB), CPU-only on macOS
+# and Windows. TORCH_INDEX_URL picks a build everywhere: https://download.pytorch.org/whl/cpu (CPU only, small)
+# or https://download.pytorch.org/whl/cu128 (CUDA 12.8). Changing it later: `make clean install TORCH_INDEX_URL=...`.
+TORCH_INDEX_URL ?=
+ARGS ?=
+LAB_ARGS ?=
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 
-.PHONY: help install test unit nbval sync-check reproduce notebooks clean
+.PHONY: help install lab test unit nbval sync-check reproduce notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -17,12 +22,15 @@ help:  ## list the targets
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0  # first and pinned: a CPU build; see README for CUDA
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))  # first, pinned
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
-install: $(STAMP)  ## create .venv and install everything (torch first)
+install: $(STAMP)  ## create .venv and install everything (torch first; TORCH_INDEX_URL picks its build)
+
+lab: $(STAMP)  ## open JupyterLab in notebooks/ with the venv's kernel (.py files open as paired notebooks)
+	cd notebooks && ../$(BIN)/jupyter lab $(LAB_ARGS)
 
 test: unit nbval sync-check  ## pytest (unit, multi-process, papermill smoke), nbval, jupytext drift check
 
@@ -38,12 +46,8 @@ sync-check: $(STAMP)  ## fail when a notebook's .py and .ipynb differ
 	    || { echo "$$nb and $${nb%.ipynb}.py differ: run make notebooks"; status=1; }; \
 	done; exit $$status
 
-reproduce: $(STAMP)  ## run every notebook with papermill (CPU CI profile) into runs/<timestamp>/
-	mkdir -p $(RUN_DIR)
-	for nb in $(NOTEBOOKS); do \
-	  $(BIN)/papermill --cwd notebooks "$$nb" "$(RUN_DIR)/$$(basename $$nb)" || exit 1; \
-	done
-	@echo "Executed notebooks and their results are in $(RUN_DIR)/"
+reproduce: $(STAMP)  ## run every notebook (ci profile) into runs/<timestamp>/: results table, figures; ARGS="..." for options
+	$(BIN)/python -m gcbs_lib.reproduce $(ARGS)
 
 notebooks: $(STAMP)  ## sync each edited .py into its .ipynb and re-execute it in place (committed outputs)
 	for py in $(sort $(wildcard notebooks/[0-9]*.py)); do \

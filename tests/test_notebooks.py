@@ -73,6 +73,9 @@ def test_papermill_runs_notebook_01_with_injected_parameters(tmp_path):
 
 
 @pytest.mark.parametrize("profile", sorted((NOTEBOOKS / "params").glob("*.yaml")), ids=lambda p: p.name)
-def test_profile_files_only_set_parameters_their_notebook_has(profile):
-    notebook = NOTEBOOKS / (profile.name.split(".")[0] + ".ipynb")
-    assert set(yaml.safe_load(profile.read_text())) <= set(papermill.inspect_notebook(str(notebook)))
+def test_profile_files_are_named_for_a_notebook_and_a_runner_profile_and_set_only_its_parameters(profile):
+    stem, name, suffix = profile.name.split(".")
+    assert name in ("cpu", "paper") and suffix == "yaml"  # ci is the notebook's own defaults
+    values = yaml.safe_load(profile.read_text())
+    assert values.get("profile", name) == name
+    assert set(values) <= set(papermill.inspect_notebook(str(NOTEBOOKS / f"{stem}.ipynb")))
