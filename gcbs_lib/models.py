@@ -118,12 +118,15 @@ class HashingTokenizer:
             raise ValueError(f"need vocab_size ≥ 3 and max_length ≥ 1, got {vocab_size}, {max_length}")
         self.vocab_size, self.max_length = vocab_size, max_length
 
-    def ids(self, text: str) -> list[int]:
-        words = self._WORDS.findall(text.lower())[: self.max_length]
+    def ids(self, text: str, max_length: int | None = None) -> list[int]:
+        words = self._WORDS.findall(text.lower())[: max_length or self.max_length]
         return [2 + zlib.crc32(w.encode()) % (self.vocab_size - 2) for w in words] or [1]
 
-    def __call__(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        rows = [self.ids(t) for t in texts]
+    def __call__(self, texts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
+        """Ids and mask of `texts`, each cut to `max_length` (default: the tokenizer's) tokens."""
+        if max_length is not None and not 1 <= max_length <= self.max_length:
+            raise ValueError(f"max_length must be between 1 and {self.max_length}, got {max_length}")
+        rows = [self.ids(t, max_length) for t in texts]
         ids = torch.full((len(rows), max(map(len, rows), default=1)), PAD_ID, dtype=torch.long)
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
@@ -174,21 +177,24 @@ class HFEncoder(nn.Module):
                           f"on a machine that has access ({error})") from error
         if pooling == "cls" and getattr(self.backbone, "pooler", None) is None:
             raise ValueError(f"{name_or_path} has no pooler layer: use pooling 'cls_before_pooler' or 'cls_mlp_train'")
+        if pooling != "cls" and getattr(self.backbone, "pooler", None) is not None:
+            self.backbone.pooler = None  # unused: no parameters without gradients (DDP would wait for them)
         hidden = self.backbone.config.hidden_size
         self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) if pooling == "cls_mlp_train" else None
         self.name_or_path, self.pooling, self.normalize, self.max_length = name_or_path, pooling, normalize, max_length
         self.prefix_ids = None if prefix is None else self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
 
-    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Token ids and attention mask of `texts`, right-padded, at most `max_length` tokens each."""
-        texts = list(texts)
+    def tokenize(self, texts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
+        """Token ids and attention mask of `texts`, right-padded, at most `max_length` (default: the encoder's)
+        tokens each, special tokens included."""
+        texts, max_length = list(texts), max_length or self.max_length
         if self.prefix_ids is None:
-            return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
+            return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=max_length,
                                        return_tensors="pt"))
         cls, sep, pad = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id, self.tokenizer.pad_token_id
-        room = self.max_length - len(self.prefix_ids) - 3
+        room = max_length - len(self.prefix_ids) - 3
         if room < 1:
-            raise ValueError(f"max_length {self.max_length} leaves no room for text after the prefix")
+            raise ValueError(f"max_length {max_length} leaves no room for text after the prefix")
         bodies = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         rows = [[cls, *self.prefix_ids, sep, *body[:room], sep] for body in bodies]
         ids = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)

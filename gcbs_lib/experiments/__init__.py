@@ -136,6 +136,17 @@ class Experiment(ABC):
         on rank 0 only (it must not use collectives)."""
 
 
+def to_device(value, device: torch.device):
+    """`value` with every tensor in it (inside dicts, lists and tuples) moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
 def register(name: str):
     """Class decorator: make an `Experiment` subclass trainable as `--experiment name`."""
 

@@ -1,0 +1,204 @@
+"""Specification of the training loop: config, schedule, atomic checkpoints, bitwise resume after SIGKILL,
+2 gloo processes = 1 process, and the NaN stop. Runs the code-search experiment with the tiny encoder on
+planted pairs written in CodeSearchNet's jsonl layout."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from gcbs_lib.distributed import launch
+from gcbs_lib.experiments.codesearch import CodeSearch
+from gcbs_lib.train import (TrainConfig, TrainingDiverged, atomic_save, config_from_dict, load_checkpoint,
+                            load_config, lr_factor, parse_overrides, train)
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = [f"w{i}" for i in range(120)]
+
+
+def planted_pair(rng: random.Random, i: int, split: str) -> dict:
+    """A docstring and a function sharing four topic words, so a bag-of-words encoder can learn to match them."""
+    topic = rng.sample(WORDS, 4)
+    doc = topic + rng.sample(WORDS, 2)
+    code = ["def", f"f{i}", "(", "x", ")", ":", "return", *topic, *rng.sample(WORDS, 3)]
+    return {"url": f"planted/{split}/{i}", "docstring_tokens": doc, "code_tokens": code}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """Planted train/valid/test/codebase files where CodeSearchNet python lives under a data root."""
+    root = tmp_path_factory.mktemp("data")
+    folder = root / "codesearch" / "CSN" / "python"
+    folder.mkdir(parents=True)
+    rng = random.Random(0)
+    splits = {split: [planted_pair(rng, i, split) for i in range(n)]
+              for split, n in (("train", 192), ("valid", 48), ("test", 48))}
+    splits["train"][5]["docstring_tokens"] = splits["train"][4]["docstring_tokens"]  # a duplicate query
+    for split, rows in splits.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "codebase.jsonl").write_text("".join(json.dumps(r) + "\n" for r in splits["valid"] + splits["test"]))
+    return root
+
+
+def settings(data_root, **overrides):
+    """A CI-sized codesearch run on the planted data (strings, as --set passes them)."""
+    values = {"data": "csn", "data_root": str(data_root), "batch_size": 16, "epochs": 2, "lr": 1e-3,
+              "query_length": 16, "code_length": 24, "tiny_dim": 16, "tiny_layers": 1, "embed_batch_size": 64,
+              "progress": False, **overrides}
+    return {k: str(v) for k, v in values.items()}
+
+
+# ---- config ------------------------------------------------------------------------------------------------
+
+def test_overrides_are_typed_by_the_config_field_they_set(data_root):
+    config = load_config("codesearch", "ci", settings(data_root, lr="3e-5", chunk_size=8, max_steps="none",
+                                                       learnable_scale="true", eval_limit=10))
+    assert (config.lr, config.chunk_size, config.max_steps, config.learnable_scale) == (3e-5, 8, None, True)
+    assert isinstance(config.options, CodeSearch.Options) and config.options.eval_limit == 10
+    assert config.profile == "ci" and config.options.encoder == "tiny"  # the ci profile's value kept
+    assert parse_overrides(["lr=3e-5", "data=csn"]) == {"lr": "3e-5", "data": "csn"}
+
+
+@pytest.mark.parametrize("overrides, error, match", [
+    ({"learning_rate": "1e-3"}, KeyError, "unknown config key 'learning_rate'"),
+    ({"batch_size": "sixty-four"}, ValueError, "batch_size must be int"),
+    ({"batch_size": "6.5"}, ValueError, "batch_size must be int"),
+    ({"sampler": "hard"}, ValueError, "sampler must be one of"),
+    ({"bf16": "maybe"}, ValueError, "bf16 must be bool"),
+    ({"batch_size": "0"}, ValueError, "batch_size must be at least 1"),
+])
+def test_unknown_keys_and_ill_typed_values_are_refused(overrides, error, match):
+    with pytest.raises(error, match=match):
+        load_config("codesearch", "ci", overrides)
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_overrides(["lr"])
+
+
+def test_a_config_survives_its_json_round_trip():
+    config = load_config("codesearch", "cpu", {"seed": 3, "sampler": "gcbs"})
+    assert config_from_dict(json.loads(json.dumps(asdict(config)))) == config
+
+
+def test_the_schedule_warms_up_linearly_then_decays_to_zero():
+    assert [lr_factor(s, 10, 2, "linear") for s in (0, 1, 2, 6, 10)] == [0.0, 0.5, 1.0, 0.5, 0.0]
+    assert lr_factor(6, 10, 2, "cosine") == pytest.approx(0.5) and lr_factor(10, 10, 2, "cosine") == 0.0
+    assert lr_factor(9, 10, 0, "constant") == 1.0
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------
+
+def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    atomic_save({"step": 1, "model": {"w": torch.ones(2)}}, path)
+    with pytest.raises(Exception):
+        atomic_save({"step": 2, "unpicklable": lambda: None}, path)
+    assert load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def command(output_dir, data_root, **overrides):
+    pairs = [f"--set={k}={v}" for k, v in settings(data_root, **overrides).items()]
+    return [sys.executable, "-m", "gcbs_lib.train", "--experiment", "codesearch", "--profile", "ci",
+            "--output-dir", str(output_dir), "--sampler", "gcbs", "--seed", "3", *pairs]
+
+
+def run(cmd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+
+
+def steps_logged(output_dir) -> int:
+    path = output_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum('"kind": "step"' in line for line in lines)
+
+
+def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterrupted_run(tmp_path, data_root):
+    """GCBS sampler, dropout on, checkpoints every 5 steps; the kill lands after step 17 of 24, in the second
+    epoch, whose GCBS order came from the model trained in the first: the resumed run must restore that order."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    options = {"checkpoint_every": 5, "eval_every": 4}
+    assert run(command(whole, data_root, **options)).returncode == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    job = subprocess.Popen(command(killed, data_root, **options), env=env, cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while steps_logged(killed) < 17 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    interrupted = load_checkpoint(killed / "checkpoint.pt")
+    assert 12 < interrupted["step"] < 24, "the kill must land in the second epoch, before the run ended"
+    result = run(command(killed, data_root, **options))
+    assert result.returncode == 0, result.stderr[-2000:]
+    a, b = load_checkpoint(whole / "checkpoint.pt"), load_checkpoint(killed / "checkpoint.pt")
+    assert a["step"] == b["step"] == 24
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert torch.equal(a["plan"]["batches"], b["plan"]["batches"])
+    logged = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r["kind"] == "step"] == list(range(1, 25))  # no step logged twice
+    assert json.loads((killed / "results.json").read_text()) == json.loads((whole / "results.json").read_text())
+
+
+def test_a_rerun_with_other_settings_is_refused(tmp_path, data_root):
+    config = load_config("codesearch", "ci", settings(data_root, max_steps=2, log_loss_gap="false"))
+    train(config, tmp_path)
+    changed = load_config("codesearch", "ci", settings(data_root, max_steps=2, log_loss_gap="false", lr=0.1))
+    with pytest.raises(ValueError, match="lr"):
+        train(changed, tmp_path)
+
+
+# ---- failure -----------------------------------------------------------------------------------------------
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, data_root,
+                                                                                           monkeypatch):
+    calls = {"n": 0}
+    original = CodeSearch.loss
+
+    def loss_that_breaks_at_step_5(self, embeddings, batch, scale):
+        calls["n"] += 1
+        loss = original(self, embeddings, batch, scale)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(CodeSearch, "loss", loss_that_breaks_at_step_5)
+    config = load_config("codesearch", "ci", settings(data_root, checkpoint_every=2, log_loss_gap="false"))
+    with pytest.raises(TrainingDiverged, match=r"not finite at step 5.*temperature.*learning rate"):
+        train(config, tmp_path)
+    last = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert last["step"] == 4
+    assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 4
+
+
+# ---- data parallel -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [
+    {"sampler": "gcbs", "chunk_size": 4, "learnable_scale": "true"},
+    {"sampler": "hard_negatives", "chunk_size": "none"},
+], ids=["gcbs-gradcache-learnable-scale", "mined-negatives-plain-backward"])
+def test_two_gloo_processes_train_the_one_process_model_at_the_same_global_batch(tmp_path, data_root, overrides):
+    """In float64 (AdamW divides by √v + 1e-8, so float32 rounding in a near-zero gradient moves a parameter by
+    up to ~lr·1e-9/1e-8) and without dropout, 4 steps on 2 ranks match 1 rank to rounding error."""
+    values = settings(data_root, dropout=0.0, max_steps=4, eval_every=2, dtype="float64", **overrides)
+    config = load_config("codesearch", "ci", values)
+    one = train(config, tmp_path / "one")
+    two = launch("gcbs_lib.train:launched", nproc=2, backend="gloo", echo=False, timeout=240,
+                 args={"config": asdict(config), "output_dir": str(tmp_path / "two")})
+    a, b = load_checkpoint(tmp_path / "one" / "checkpoint.pt"), load_checkpoint(tmp_path / "two" / "checkpoint.pt")
+    assert torch.equal(a["plan"]["batches"], b["plan"]["batches"])
+    for key in a["model"]:
+        torch.testing.assert_close(b["model"][key], a["model"][key], rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(b["scale"], a["scale"], rtol=1e-9, atol=1e-11)
+    assert two["test"] == pytest.approx(one["test"], abs=1e-9)
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+               if '"kind": "step"' in line] for run in ("one", "two")]
+    assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-9)
