@@ -172,7 +172,7 @@ def build_table(sources: Iterable[tuple[list[dict], str]], *, list_unrun_paper_r
             if arm == BASELINE_ARM:
                 note = "baseline"
             elif baseline is None:
-                note = f"no {BASELINE_ARM} arm"
+                note = ""  # nothing to compare with: not a sampling experiment, or its baseline is missing
             elif not (shared := sorted(set(values) & set(baseline))):
                 note = f"no seed shared with {BASELINE_ARM}"
             else:
@@ -298,13 +298,15 @@ def update_readme(readme: str | Path = REPOSITORY / "README.md", folder: str | P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gcbs_lib.results", description="Committed result rows and "
                                      "the README's cpu-profile table generated from them.")
-    parser.add_argument("--results-dir", type=Path, default=COMMITTED, help="committed rows (default: results/)")
-    parser.add_argument("--readme", type=Path, default=REPOSITORY / "README.md", help="default: README.md")
+    paths = argparse.ArgumentParser(add_help=False)
+    paths.add_argument("--results-dir", type=Path, default=COMMITTED, help="committed rows (default: results/)")
+    paths.add_argument("--readme", type=Path, default=REPOSITORY / "README.md", help="default: README.md")
     commands = parser.add_subparsers(dest="command", required=True)
-    readme = commands.add_parser("readme", help="regenerate the README's cpu-profile table from results/*.cpu.json")
+    readme = commands.add_parser("readme", parents=[paths],
+                                 help="regenerate the README's cpu-profile table from results/*.cpu.json")
     readme.add_argument("--check", action="store_true", help="only fail when the README's table is out of date")
-    gather = commands.add_parser("collect", help="copy a runner folder's result rows into results/ with provenance, "
-                                                 "then regenerate the README's table")
+    gather = commands.add_parser("collect", parents=[paths], help="copy a runner folder's result rows into results/ "
+                                                                  "with provenance, then regenerate the README's table")
     gather.add_argument("run_dir", type=Path, help="a folder written by python -m gcbs_lib.reproduce")
     args = parser.parse_args(argv)
     check = args.command == "readme" and args.check

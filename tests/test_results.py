@@ -54,7 +54,8 @@ def test_delta_uses_only_the_seeds_both_arms_ran_and_says_why_when_there_is_none
     assert lines["gcbs", "test_mrr"].delta == pytest.approx(0.2) and lines["gcbs", "test_mrr"].delta_sd is None
     assert lines["hard_negatives", "test_mrr"].delta is None
     assert lines["hard_negatives", "test_mrr"].delta_note == "no seed shared with random"
-    assert lines["gcbs", "dev_mrr"].delta_note == "no random arm"
+    assert lines["gcbs", "dev_mrr"].delta is None and lines["gcbs", "dev_mrr"].delta_note == ""
+    assert "| 0.4 (n=1) | — |" in to_markdown([lines["gcbs", "dev_mrr"]])
     assert lines["gcbs", "dev_mrr"].sd is None  # one seed: no spread to report
 
 
