@@ -18,15 +18,24 @@
 # # 02 · DDP gradient scaling: negatives from every rank, and the exact full-batch gradient
 #
 # With W data-parallel ranks of B pairs each, a contrastive loss should use all $N = W\!\cdot\!B$ pairs as
-# negatives, and its gradient should be the one a single process would get on the whole batch. Public code
-# disagrees on how to get there. The GradCache training document this kit follows writes the final gradient as
+# negatives, and its gradient should be the one a single process would get on the whole batch. Every rank
+# all-gathers the other ranks' embeddings, computes a cross-entropy $CE_r$, back-propagates, and DDP averages
+# the parameter gradients over ranks. Public code then differs in three choices:
 #
-# > `final_grad = (1/W) Σ_r [W × d(CE_r)/dθ]`
+# * **the gather's backward**: *with gradient* (each row's gradient from every rank is summed and sent to the
+#   rank that made the row), or *without* (other ranks' rows are constants; only a rank's own rows carry
+#   gradient, as in GradCache's `DistributedContrastiveLoss`, Tevatron, open_clip without `gather_with_grad`, and
+#   MIL-NCE's `AllGather`);
+# * **the loss on each rank**: its own queries against all documents (its *share*), or the *global* loss over
+#   all N queries;
+# * **a factor W**: one common GradCache training recipe writes the final gradient as
+#   `final_grad = (1/W) Σ_r [W × d(CE_r)/dθ]`, i.e. multiply each rank's cross-entropy by W, then let DDP
+#   average over ranks.
 #
-# i.e. multiply each rank's cross-entropy by W, then let DDP average over ranks. Whether that is right depends
-# on a detail the formula does not show: **what the all-gather does in the backward**. This notebook derives
-# the answer, checks it on virtual ranks in one process, then measures it on real processes (gloo on CPU by
-# default; `papermill -p backend nccl -p nproc 8 -p device cuda` on a GPU node).
+# Whether the factor is right depends on the first choice, which the formula does not show. This notebook
+# derives the answer for each combination (the table in section 1), checks it on virtual ranks in one process,
+# then measures it on real processes (gloo on CPU by default; `papermill -p backend nccl -p nproc 8 -p device
+# cuda` on a GPU node).
 
 # %% tags=["parameters"]
 nproc = 2                # ranks (W)
@@ -37,15 +46,22 @@ chunk_size = 2           # GradCache chunk: several replays per step, only one m
 dropout = 0.1
 seed = 0
 timeout = 300            # seconds before a launched job is stopped
+chart_world_sizes = [2, 4, 8]  # virtual ranks in the ratio chart
 profile = "ci"
 
 # %%
+from fractions import Fraction
+from functools import partial
+
+import matplotlib.pyplot as plt
+import numpy as np
 import torch
 
-from gcbs_lib.check import cmp_table, compare
+from gcbs_lib.check import cmp_table, compare, relative_error
 from gcbs_lib.ddp_experiments import (CONVENTIONS, ScalingSetup, StepResult, build_models, encode_ranks,
                                       full_batch_step, gradient_ratio, misbehave, scaling_runs, virtual_step)
 from gcbs_lib.distributed import LaunchError, VirtualRanks, launch, rank_info_nce
+from gcbs_lib.results import record, result_row
 
 W = nproc
 setup = ScalingSetup(per_rank=per_rank, chunk_size=chunk_size, dropout=dropout, seed=seed, device=device)
@@ -75,7 +91,7 @@ print(f"W={W} ranks × B={per_rank} pairs = N={W * per_rank}; backend={backend},
 #    = W\,\frac{d\mathcal L}{d\theta}
 #    \quad\Longrightarrow\quad \text{DDP's mean } \frac1W\sum_s g_s = \frac{d\mathcal L}{d\theta}. $$
 #
-# **No factor is needed.** Now read the document's formula with $d(CE_r)/d\theta = g_r$:
+# **No factor is needed.** Now read the recipe's formula with $d(CE_r)/d\theta = g_r$:
 # $\frac1W \sum_r W g_r = \sum_r g_r = W\, d\mathcal L/d\theta$ — **W times too large**.
 
 # %% [markdown]
@@ -105,8 +121,20 @@ print(f"W={W} ranks × B={per_rank} pairs = N={W * per_rank}; backend={backend},
 # thresholds, the weight-decay balance, and a factor that differs between parameters (encoder vs logit scale).
 
 # %%
-predicted = {"kit": (1, 1), "loss_x_W": (W, W), "no_grad": (1 / W, 1), "no_grad_x_W": (1, W),
-             "milnce": (1 / W, 1), "no_grad_share": (None, 1)}  # (encoder, logit scale); None: not a multiple
+def predicted_ratios(w):
+    """The table's (encoder, logit scale) gradient ratios on w ranks; None: not a multiple."""
+    return {"kit": (1, 1), "loss_x_W": (w, w), "no_grad": (1 / w, 1), "no_grad_x_W": (1, w),
+            "milnce": (1 / w, 1), "no_grad_share": (None, 1)}
+
+
+def as_predicted(measured_pairs, expected_pairs):
+    """Each measured (ratio, residual) is the expected multiple to 1e-10, or far from any multiple where None."""
+    return all((expected is None and residual > 1e-2)
+               or (expected is not None and abs(ratio - expected) <= 1e-10 * expected and residual <= 1e-10)
+               for (ratio, residual), expected in zip(measured_pairs, expected_pairs))
+
+
+predicted = predicted_ratios(W)
 reference = full_batch_step(setup, W)
 print(f"single-process reference: loss {reference.loss:.6f} over {W * per_rank} pairs")
 
@@ -174,6 +202,42 @@ def ratio_table(steps):
 
 
 ratio_table(virtual)
+
+# %% [markdown]
+# The same on more virtual ranks: every convention at each world size in `chart_world_sizes`, against the
+# full-batch gradient of that many pairs.
+
+# %%
+sweep = {}
+for w in chart_world_sizes:
+    full_batch = full_batch_step(setup, w)
+    for name in CONVENTIONS:
+        step = virtual_step(name, setup, w)
+        sweep[name, w] = [gradient_ratio(step.grads[k], full_batch.grads[k]) for k in ("encoder", "logit_scale")]
+sweep_as_predicted = all(as_predicted(sweep[name, w], predicted_ratios(w)[name]) for name, w in sweep)
+print("every ratio as the table predicts, at W =", chart_world_sizes, ":", sweep_as_predicted)
+
+# %%
+NAMES = {"kit": "kit: gather with grad, share $L_r$", "loss_x_W": "gather with grad, share × W",
+         "no_grad": "gather without grad, global $L$", "no_grad_x_W": "gather without grad, global × W",
+         "milnce": "MIL-NCE AllGather, global $L$", "no_grad_share": "gather without grad, share $L_r$"}
+ticks = sorted({Fraction(w) for w in chart_world_sizes} | {1 / Fraction(w) for w in chart_world_sizes} | {1})
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharex=True, sharey=True)
+for ax, k, title in zip(axes, (0, 1), ("encoder gradient", "logit-scale gradient")):
+    for i, w in enumerate(chart_world_sizes):
+        y = np.arange(len(NAMES))[::-1] + (i - (len(chart_world_sizes) - 1) / 2) * 0.2
+        ratio, residual = map(np.array, zip(*[sweep[name, w][k] for name in NAMES]))
+        multiple = residual <= 1e-10
+        ax.scatter(ratio[multiple], y[multiple], color=f"C{i}", label=f"W = {w}", zorder=3)
+        ax.scatter(ratio[~multiple], y[~multiple], facecolors="none", edgecolors=f"C{i}", zorder=3)
+    ax.axvline(1, color="0.5", lw=1, ls="--")
+    ax.set(xscale="log", title=title, xlabel="gradient ÷ full-batch gradient")
+    ax.set_xticks([float(t) for t in ticks], [str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
+axes[0].set_yticks(np.arange(len(NAMES))[::-1], list(NAMES.values()))
+axes[1].scatter([], [], facecolors="none", edgecolors="0.3", label="not a multiple")
+axes[1].legend(fontsize=8, loc="center left")
+plt.show()
 
 # %% [markdown]
 # ## 3 · Real processes
@@ -262,22 +326,46 @@ except LaunchError as error:
 #   gradient by W — or switch to the recipe above.
 
 # %% [markdown]
+# ## Result rows
+#
+# What the real ranks measured, as rows of the kit's results table (`gcbs_lib.results`; written when
+# `python -m gcbs_lib.reproduce` runs the notebook): per convention, the gradient ratios to the full batch and
+# how far the encoder gradient is from that multiple; for the kit, its error and the all-reduces per step.
+
+# %%
+row = partial(result_row, experiment="ddp_scaling", seed=seed, profile=profile, data="synthetic",
+              model="TinyTextEncoder")
+result_rows = []
+for name, step in real.items():
+    (encoder_ratio, residual), (scale_ratio, _) = (gradient_ratio(step.grads[k], reference.grads[k])
+                                                   for k in ("encoder", "logit_scale"))
+    result_rows += [row(arm=name, metric=f"encoder_grad_ratio_W{W}", value=encoder_ratio),
+                    row(arm=name, metric=f"encoder_grad_off_multiple_W{W}", value=residual),
+                    row(arm=name, metric=f"logit_scale_grad_ratio_W{W}", value=scale_ratio)]
+kit_allreduces = next(r["allreduce_calls"] for run, r in zip(runs, job["runs"]) if run["convention"] == "kit")
+result_rows += [row(arm="kit", metric=f"rel_grad_error_vs_full_batch_W{W}",
+                    value=max(relative_error(real["kit"].grads[k], reference.grads[k]) for k in reference.grads)),
+                row(arm="kit", metric="allreduces_per_step", value=kit_allreduces)]
+record(result_rows, "02_ddp_gradient_scaling")
+for r in result_rows:
+    print(f"{r['arm']:<14} {r['metric']:<32} {r['value']:.3g}")
+
+# %% [markdown]
 # ## Checks
 
 # %%
-kit_exact = all(compare(k, real["kit"].grads[k], reference.grads[k], rtol=1e-10).allclose for k in reference.grads)
-real_is_virtual = all(compare(n, real[n].grads[k], virtual[n].grads[k], rtol=1e-10).allclose
+kit_exact = all(compare(k, real["kit"].grads[k], reference.grads[k], rtol=1e-10).within_tolerance
+                for k in reference.grads)
+real_is_virtual = all(compare(n, real[n].grads[k], virtual[n].grads[k], rtol=1e-10).within_tolerance
                       for n in CONVENTIONS for k in reference.grads)
 measured = {name: tuple(gradient_ratio(step.grads[k], reference.grads[k]) for k in ("encoder", "logit_scale"))
             for name, step in real.items()}
-ratios_as_predicted = all(
-    (expected is None and residual > 1e-2) or (abs(ratio - expected) <= 1e-10 * expected and residual <= 1e-10)
-    for name, pairs in measured.items() for (ratio, residual), expected in zip(pairs, predicted[name]))
+ratios_as_predicted = all(as_predicted(pairs, predicted[name]) for name, pairs in measured.items())
 one_allreduce = all(r["allreduce_calls"] == 1 and r["allreduced_numel"] == r["encoder_numel"] for r in job["runs"])
 ranks_bitwise = all(r["rank_difference"] == 0.0 for r in job["runs"])
 gather_ok = gather["forward_error"] == 0.0 and gather["backward_error"] <= 1e-15 and gather["mismatch_raised_on"] == W
 helpers_ok = helpers["unsynced_difference"] == W - 1 and helpers["averaged"] == [(W + 1) / 2] * 2
-assert kit_exact and real_is_virtual and ratios_as_predicted and walkthrough_is_kit
+assert kit_exact and real_is_virtual and ratios_as_predicted and walkthrough_is_kit and sweep_as_predicted
 assert one_allreduce and ranks_bitwise and gather_ok and helpers_ok
 assert failure is not None and failure.rank == nproc - 1 and "failed on purpose" in str(failure)
 
@@ -288,7 +376,9 @@ for name, ((encoder_ratio, residual), (scale_ratio, _)) in measured.items():
     encoder_text = f"{encoder_ratio:.3f}" if residual <= 1e-10 else "not a multiple"
     print(f"{CONVENTIONS[name].label:<44} encoder {encoder_text:<15} logit scale {scale_ratio:.3f}")
 print("kit = full-batch gradient within 1e-10:", kit_exact, "| real ranks = virtual ranks:", real_is_virtual)
-print("ratios as derived:", ratios_as_predicted, "| one all-reduce per step:", one_allreduce,
+print("ratios as derived:", ratios_as_predicted, f"| also on virtual ranks W = {chart_world_sizes}:",
+      sweep_as_predicted)
+print("one all-reduce per step:", one_allreduce,
       "| ranks bitwise equal:", ranks_bitwise)
 print("gather_with_grad = concatenation / reduce-scatter, mismatch raised everywhere:", gather_ok,
       "| sync check and all_reduce_gradients:", helpers_ok, "| failing rank surfaced:", failure is not None)
