@@ -1,7 +1,7 @@
 """Download the real code-search datasets the way UniXcoder's code-search README does, into
 `<data root>/codesearch/{cosqa,AdvTest,CSN}` (idempotent: files already there are kept).
 
-    python data_scripts/download_codesearch.py [--root DIR] [--datasets cosqa advtest csn]
+    python data_scripts/download_codesearch.py [--root DIR] [--only cosqa advtest csn]
 
   cosqa    four files from the CoCLR repository (no preprocessing).
   advtest  CodeXGLUE's dataset.zip, then the CodeSearchNet python.zip from Zenodo, then the bundled
@@ -15,13 +15,13 @@ on, so SHA256 below is None for every file: the script prints each file's comput
 record it; a value filled in is enforced on every run. Offline, use the stand-in instead:
 `python data_scripts/build_codesearch_standin.py`.
 """
-import argparse
+import functools
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from gcbs_lib.data import DownloadError, data_root, download, sha256sum
+from gcbs_lib.data import download, download_main, print_checksum
 
 COSQA = "https://github.com/Jun-jie-Huang/CoCLR/raw/main/data/search/"
 FILES = {  # dataset -> [(url, file name)]
@@ -54,8 +54,7 @@ def fetch(dataset: str, root: Path) -> Path:
     folder = root / "codesearch" / FOLDER[dataset]
     for url, name in FILES[dataset]:
         path = download(url, folder / "downloads" / name if name.endswith(".zip") else folder / name, SHA256[url])
-        state = "checked" if SHA256[url] else "not checked: no recorded checksum"
-        print(f"sha256 {sha256sum(path)}  {path}  ({state})")
+        print_checksum(path, SHA256[url])
     if dataset == "advtest" and not (folder / "test.jsonl").is_file():
         unpack_dataset_zip(folder / "downloads" / "dataset.zip", folder)
         with zipfile.ZipFile(folder / "downloads" / "python.zip") as zipped:
@@ -68,19 +67,8 @@ def fetch(dataset: str, root: Path) -> Path:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=None, help="data root (default: GCBS_DATA_ROOT or <repo>/data)")
-    parser.add_argument("--datasets", nargs="+", choices=sorted(FILES), default=sorted(FILES))
-    args = parser.parse_args(argv)
-    failed = []
-    for dataset in args.datasets:
-        try:
-            print(f"{dataset}: ready in {fetch(dataset, args.root or data_root())}")
-        except DownloadError as error:
-            print(f"{dataset}: UNREACHABLE. {error}\n  Offline, build the stand-in: "
-                  "python data_scripts/build_codesearch_standin.py", file=sys.stderr)
-            failed.append(dataset)
-    sys.exit(1 if failed else 0)
+    offline = "build the stand-in: python data_scripts/build_codesearch_standin.py"
+    sys.exit(download_main(__doc__, {name: functools.partial(fetch, name) for name in FILES}, offline, argv))
 
 
 if __name__ == "__main__":

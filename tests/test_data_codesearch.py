@@ -280,6 +280,11 @@ def test_standin_build_is_idempotent(planted_library, tmp_path):
     assert ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library) == folder
     assert (folder / "train.jsonl").stat().st_mtime_ns == stamp
     assert [p.name for p in folder.parent.iterdir()] == ["stdlib-csn"]  # no staging folder left behind
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "builder": 0}))  # an older builder's output
+    ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
+    assert (folder / "train.jsonl").stat().st_mtime_ns != stamp
+    assert json.loads((folder / "manifest.json").read_text()) == manifest
 
 
 def test_standin_refuses_an_unknown_variant(tmp_path):

@@ -4,16 +4,22 @@
   sts         SentEval STS12–16, STS-B, SICK-R; the gensim-wheel stand-ins (not STS)
   howto100m   per-video features and captions, MIL-NCE bags; the python-doc narrated stand-in
 
-Everything downloaded or built lives under `data_root()`; `download` fetches one file there, checksummed.
+Everything downloaded or built lives under `data_root()`; `download` fetches one file there, checksummed;
+`build_once` builds a stand-in folder once, atomically, with a manifest saying what it was built from.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import os
 import shutil
+import sys
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 DATA_ROOT_VARIABLE = "GCBS_DATA_ROOT"
 
@@ -60,3 +66,64 @@ def download(url: str, path: str | Path, sha256: str | None = None, timeout: flo
         path.unlink()
         raise ValueError(f"{path.name}: SHA-256 {actual} differs from the recorded {sha256}; file removed")
     return path
+
+
+def download_main(description: str, fetchers: dict[str, Callable[[Path], Path]], offline_hint: str,
+                  argv: list[str] | None = None) -> int:
+    """The command line of a download script: `[--root DIR] [--only NAME ...]`.
+
+    Runs `fetchers[name](data root)` for each chosen name, prints where each landed, or that it is unreachable
+    and `offline_hint`. Returns the exit status: 0 when every fetch succeeded, else 1.
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, default=None, help="data root (default: GCBS_DATA_ROOT or <repo>/data)")
+    parser.add_argument("--only", nargs="+", choices=list(fetchers), default=list(fetchers))
+    args = parser.parse_args(argv)
+    failed = []
+    for name in args.only:
+        try:
+            print(f"{name}: ready at {fetchers[name](args.root or data_root())}")
+        except DownloadError as error:
+            print(f"{name}: UNREACHABLE. {error}\n  Offline: {offline_hint}", file=sys.stderr)
+            failed.append(name)
+    return 1 if failed else 0
+
+
+def print_checksum(path: Path, recorded: str | None) -> None:
+    """Print a downloaded file's SHA-256 and whether a recorded value checked it (see `download`)."""
+    state = "checked" if recorded else "not checked: no recorded checksum, record this one"
+    print(f"sha256 {sha256sum(path)}  {path}  ({state})")
+
+
+def build_once(folder: str | Path, spec: dict, write: Callable[[Path], dict]) -> Path:
+    """Return `folder`, building it first unless its `manifest.json` already matches `spec`.
+
+    `write(staging)` fills an empty staging folder next to `folder` and returns extra manifest fields; the
+    manifest (`spec` + those fields) is added and the staging folder renamed to `folder` in one step, so a
+    reader never sees half a build. A folder built to another spec (older builder, other source) is replaced.
+    Concurrent callers (DDP ranks) are safe: the first rename wins and the others keep its result.
+    """
+    folder = Path(folder)
+    if built(folder, spec):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        os.chmod(staging, 0o755)
+        manifest = {**spec, **write(staging)}
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        if not built(folder, spec):
+            shutil.rmtree(folder, ignore_errors=True)
+            os.rename(staging, folder)
+    except OSError:
+        if not built(folder, spec):
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def built(folder: str | Path, spec: dict) -> bool:
+    """Whether `folder` holds a build whose manifest agrees with `spec` on every key of `spec`."""
+    manifest = Path(folder) / "manifest.json"
+    return manifest.is_file() and {k: json.loads(manifest.read_text()).get(k) for k in spec} == spec

@@ -32,10 +32,8 @@ import io
 import json
 import os
 import re
-import shutil
 import sys
 import sysconfig
-import tempfile
 import textwrap
 import tokenize
 from collections import Counter
@@ -44,7 +42,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from gcbs_lib.data import data_root
+from gcbs_lib.data import build_once, data_root
 
 STANDIN_NAME = "stdlib-docstrings"  # the `data` field of result rows computed on the stand-in
 STANDIN_VARIANTS = ("csn", "advtest")
@@ -161,22 +159,7 @@ def ensure_stdlib_standin(root: str | Path | None = None, variant: str = "csn",
     stdlib = str(Path(stdlib or sysconfig.get_paths()["stdlib"]).resolve())
     spec = {"name": STANDIN_NAME, "variant": variant, "builder": BUILDER_VERSION, "python": _python_version(),
             "stdlib": stdlib}
-    if _built(folder, spec):
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        os.chmod(staging, 0o755)
-        _write_standin(staging, spec, *_extracted(stdlib))
-        if not _built(folder, spec):   # else another process finished first
-            shutil.rmtree(folder, ignore_errors=True)  # stale: another source or version
-            os.rename(staging, folder)
-    except OSError:
-        if not _built(folder, spec):
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    return build_once(folder, spec, lambda staging: _write_standin(staging, variant, *_extracted(stdlib)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -189,17 +172,12 @@ def _python_version() -> str:
     return ".".join(map(str, sys.version_info[:3]))
 
 
-def _built(folder: Path, spec: dict) -> bool:
-    manifest = folder / "manifest.json"
-    return manifest.is_file() and {k: json.loads(manifest.read_text()).get(k) for k in spec} == spec
-
-
-def _write_standin(folder: Path, spec: dict, pairs: list[dict], skipped: list[str]) -> None:
-    """Split the pairs and write the stand-in files and their manifest into `folder`."""
+def _write_standin(folder: Path, variant: str, pairs: list[dict], skipped: list[str]) -> dict:
+    """Split the pairs and write the stand-in files into `folder`; return the manifest's facts."""
     split_of = split_by_module(pairs)
     splits = {name: [p for p in pairs if split_of[p["module"]] == name] for name in ("train", "valid", "test")}
     files = {f"{name}.jsonl": [_csn_row(p, name) for p in rows] for name, rows in splits.items()}
-    if spec["variant"] == "csn":
+    if variant == "csn":
         files["codebase.jsonl"] = files["valid.jsonl"] + files["test.jsonl"]
     else:
         for name in ("valid", "test"):
@@ -210,12 +188,10 @@ def _write_standin(folder: Path, spec: dict, pairs: list[dict], skipped: list[st
         (folder / name).write_bytes(data)
         checksums[name] = hashlib.sha256(data).hexdigest()
     query_counts = Counter(tuple(p["docstring_tokens"]) for p in pairs)
-    manifest = {**spec,
-                "pairs": {name: len(rows) for name, rows in splits.items()},
-                "modules": {name: len({p["module"] for p in rows}) for name, rows in splits.items()},
-                "pairs_sharing_their_query": sum(n for n in query_counts.values() if n > 1),
-                "skipped_files": skipped, "sha256": checksums}
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return {"pairs": {name: len(rows) for name, rows in splits.items()},
+            "modules": {name: len({p["module"] for p in rows}) for name, rows in splits.items()},
+            "pairs_sharing_their_query": sum(n for n in query_counts.values() if n > 1),
+            "skipped_files": skipped, "sha256": checksums}
 
 
 def _csn_row(pair: dict, partition: str) -> dict:

@@ -1,0 +1,57 @@
+"""Download the sentence-embedding data SimCSE uses, from the URLs of its scripts, into `<data root>/sts/`
+(idempotent: files already there are kept).
+
+    python data_scripts/download_sts.py [--root DIR] [--only senteval wiki1m nli]
+
+  senteval  senteval.tar (SentEval/data/downstream/download_dataset.sh), unpacked into sts/SentEval/: the
+            STS12–16 year folders, STSBenchmark/sts-{train,dev,test}.csv and SICK/SICK_*.txt;
+            `gcbs_lib.data.sts.senteval_path(task, <data root>/sts/SentEval)` finds each task's path in it.
+  wiki1m    wiki1m_for_simcse.txt, the unsupervised training sentences (data/download_wiki.sh).
+  nli       nli_for_simcse.csv, the supervised triples (data/download_nli.sh).
+
+Checksums: SimCSE publishes none, and huggingface.co cannot be reached from the machine this kit was built on,
+so SHA256 below is None for every file: the script prints each file's computed SHA-256 so that you can record
+it; a value filled in is enforced on every run. Offline, build the stand-in (NOT STS) from the gensim wheel's
+test data: `python data_scripts/build_sts_standin.py`.
+"""
+import functools
+import sys
+import tarfile
+from pathlib import Path
+
+from gcbs_lib.data import download, download_main, print_checksum
+
+BASE = "https://huggingface.co/datasets/princeton-nlp/datasets-for-simcse/resolve/main/"
+FILES = {"senteval": "senteval.tar", "wiki1m": "wiki1m_for_simcse.txt", "nli": "nli_for_simcse.csv"}
+SHA256 = {name: None for name in FILES.values()}  # unknown here: see the docstring
+
+
+def unpack(archive: Path, folder: Path) -> None:
+    """Extract a tar archive, refusing members that would land outside `folder`."""
+    with tarfile.open(archive) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
+            tar.extractall(folder, filter="data")
+            return
+        for member in tar.getmembers():
+            if Path(member.name).is_absolute() or ".." in Path(member.name).parts or member.issym() or member.islnk():
+                raise ValueError(f"{archive}: refusing the unsafe member {member.name}")
+        tar.extractall(folder)
+
+
+def fetch(key: str, root: Path) -> Path:
+    name = FILES[key]
+    path = download(BASE + name, root / "sts" / name, SHA256[name])
+    print_checksum(path, SHA256[name])
+    if key == "senteval" and not (root / "sts" / "SentEval").is_dir():
+        unpack(path, root / "sts" / "SentEval")
+        return root / "sts" / "SentEval"
+    return path
+
+
+def main(argv=None):
+    offline = "use the stand-in (NOT STS): python data_scripts/build_sts_standin.py"
+    sys.exit(download_main(__doc__, {name: functools.partial(fetch, name) for name in FILES}, offline, argv))
+
+
+if __name__ == "__main__":
+    main()

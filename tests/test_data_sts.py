@@ -1,0 +1,211 @@
+"""Specification of the SentEval readers (small files in each real format), SimCSE's training files, and the
+gensim-wheel stand-in."""
+import bz2
+import json
+import zipfile
+from xml.sax.saxutils import escape
+
+import pytest
+
+from gcbs_lib.data import data_root
+from gcbs_lib.data.sts import (STS_YEARS, WHEEL_FILES, _download_wheel, ensure_sts_standin, load, load_standin,
+                               read_nli, read_sentences, senteval_path, wikipedia_sentences)
+
+
+def write_year(folder, task, empty_gold_in=None):
+    """A SentEval year folder: two pairs per sub-dataset, scored 1 and 2 (the first left empty in one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in STS_YEARS[task]:
+        (folder / f"STS.input.{name}.txt").write_text(f"{name}  one\tother  one\n{name} two\t\"quoted\" two\n")
+        gold = "\n2.0\n" if name == empty_gold_in else "1.0\n2.0\n"
+        (folder / f"STS.gs.{name}.txt").write_text(gold)
+    return folder
+
+
+def test_sts12_concatenates_sub_datasets_in_senteval_order_and_drops_empty_gold_lines(tmp_path):
+    s1, s2, scores = load(write_year(tmp_path / "STS12-en-test", "STS12", empty_gold_in="MSRvid"), "STS12")
+    assert s1 == ["MSRpar one", "MSRpar two", "MSRvid two", "SMTeuroparl one", "SMTeuroparl two",
+                  "surprise.OnWN one", "surprise.OnWN two", "surprise.SMTnews one", "surprise.SMTnews two"]
+    assert s2[:3] == ["other one", '"quoted" two', '"quoted" two']
+    assert scores == [1.0, 2.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("task", ["STS13", "STS14", "STS15", "STS16"])
+def test_every_sts_year_reads_its_senteval_sub_datasets(tmp_path, task):
+    s1, s2, scores = load(write_year(tmp_path / task, task), task)
+    assert len(s1) == len(s2) == len(scores) == 2 * len(STS_YEARS[task])
+    assert [s.split()[0] for s in s1[::2]] == list(STS_YEARS[task])
+
+
+def test_a_missing_sub_dataset_or_a_line_count_mismatch_is_refused(tmp_path):
+    folder = write_year(tmp_path / "STS13", "STS13")
+    (folder / "STS.gs.FNWN.txt").write_text("1.0\n")
+    with pytest.raises(ValueError, match="STS.input.FNWN.txt has 2 lines but STS.gs.FNWN.txt has 1"):
+        load(folder, "STS13")
+    (folder / "STS.gs.FNWN.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="STS.gs.FNWN.txt.*FNWN"):
+        load(folder, "STS13")
+    with pytest.raises(NotADirectoryError):
+        load(folder / "STS.input.OnWN.txt", "STS13")
+
+
+STSB = ("main-captions\tMSRvid\t2012test\t0001\t5.000\tA man with a hard hat is dancing.\t"
+        "A man wearing a hard hat is dancing.\n"
+        "main-news\theadlines\t2013\t0002\t1.5\tHe said \"no\" to   it\tShe said 'yes'\tsource-a\tsource-b\n"
+        "main-forum\tdeft-forum\t2014\t0003\t0.0\t\"Unbalanced quote\tclosed\"\n")
+
+
+def test_sts_benchmark_reads_columns_4_5_6_without_quote_processing(tmp_path):
+    (tmp_path / "sts-test.csv").write_text(STSB)
+    s1, s2, scores = load(tmp_path / "sts-test.csv", "STSBenchmark")
+    assert s1 == ["A man with a hard hat is dancing.", 'He said "no" to it', '"Unbalanced quote']
+    assert s2 == ["A man wearing a hard hat is dancing.", "She said 'yes'", 'closed"']
+    assert scores == [5.0, 1.5, 0.0]
+
+
+SICK = ("pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
+        "1\tA group of kids is playing in a yard\tA group of boys is playing outdoors\t4.5\tNEUTRAL\n"
+        "2\tA \"brown\" dog is running\tNobody is running\t3.2\tCONTRADICTION\n")
+
+
+def test_sick_relatedness_skips_the_header_and_reads_columns_1_2_3(tmp_path):
+    (tmp_path / "SICK_test_annotated.txt").write_text(SICK)
+    s1, s2, scores = load(tmp_path / "SICK_test_annotated.txt", "SICKRelatedness")
+    assert s1 == ["A group of kids is playing in a yard", 'A "brown" dog is running']
+    assert s2 == ["A group of boys is playing outdoors", "Nobody is running"] and scores == [4.5, 3.2]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("a\tb\tc\td\t4.0\tonly one sentence\n", "at least 7"),
+    ("a\tb\tc\td\tfive\tx\ty\n", "not a number"),
+])
+def test_malformed_split_files_are_refused_naming_the_line(tmp_path, content, message):
+    (tmp_path / "sts-dev.csv").write_text("g\tf\ty\ti\t1.0\tx\ty\n" + content)
+    with pytest.raises(ValueError, match=f"sts-dev.csv:2: .*{message}"):
+        load(tmp_path / "sts-dev.csv", "STSBenchmark")
+
+
+def test_senteval_path_finds_each_task_in_the_unpacked_archive(tmp_path):
+    downstream = tmp_path / "SentEval" / "downstream"
+    write_year(downstream / "STS" / "STS14-en-test", "STS14")
+    (downstream / "STS" / "STSBenchmark").mkdir()
+    (downstream / "STS" / "STSBenchmark" / "sts-dev.csv").write_text(STSB)
+    (downstream / "SICK").mkdir()
+    (downstream / "SICK" / "SICK_trial.txt").write_text(SICK)
+    assert senteval_path("STS14", tmp_path) == downstream / "STS" / "STS14-en-test"
+    assert senteval_path("STSBenchmark", tmp_path, "dev") == downstream / "STS" / "STSBenchmark" / "sts-dev.csv"
+    assert len(load(senteval_path("SICKRelatedness", tmp_path, "dev"), "SICKRelatedness")[0]) == 2
+    with pytest.raises(FileNotFoundError, match="STS12-en-test"):
+        senteval_path("STS12", tmp_path)
+    with pytest.raises(ValueError, match="split"):
+        senteval_path("STSBenchmark", tmp_path, "validation")
+
+
+def test_an_unknown_task_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="task must be one of"):
+        load(tmp_path, "STS17")
+
+
+def test_simcse_training_sentences_one_per_line(tmp_path):
+    (tmp_path / "wiki1m_for_simcse.txt").write_text("First sentence.\n\n  Second, with a tab\tinside.  \n")
+    assert read_sentences(tmp_path / "wiki1m_for_simcse.txt") == ["First sentence.", "Second, with a tab\tinside."]
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="no sentences"):
+        read_sentences(tmp_path / "empty.txt")
+
+
+def test_simcse_nli_csv_gives_anchor_entailment_contradiction(tmp_path):
+    (tmp_path / "nli_for_simcse.csv").write_text(
+        'sent0,sent1,hard_neg\n"One, two",A number list,"No ""numbers"" here"\nx,y,z\n')
+    assert read_nli(tmp_path / "nli_for_simcse.csv") == [("One, two", "A number list", 'No "numbers" here'),
+                                                        ("x", "y", "z")]
+    (tmp_path / "bad.csv").write_text("sent0,sent1\na,b\n")
+    with pytest.raises(ValueError, match=r"missing \['hard_neg'\]"):
+        read_nli(tmp_path / "bad.csv")
+
+
+ARTICLE = """{{Infobox|name={{nested|x}}}}
+'''Alpha''' is the [[Greek alphabet|first letter]] of the alphabet.<ref>A source.</ref> It comes before beta in order.
+== History ==
+* A list item that is skipped entirely.
+[[File:Alpha.svg|thumb|A picture [[caption]].]]
+It was used by the [[Phoenicia]]ns long ago. Short one.
+It comes before beta in order.
+"""
+
+
+def page(title, namespace, text):
+    """One <page> of a MediaWiki XML dump; the wikitext is XML-escaped as in real dumps."""
+    return f"<page><title>{title}</title><ns>{namespace}</ns><revision><text>{escape(text)}</text></revision></page>"
+
+
+PLANTED_DUMP = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
+                + page("Alpha", 0, ARTICLE) + page("Talk:Alpha", 1, "Talk pages are not articles at all.")
+                + page("Alfa", 0, "#REDIRECT [[Alpha]] is not a sentence here.") + "</mediawiki>")
+
+
+def test_wikipedia_sentences_strip_markup_and_keep_article_sentences_once():
+    assert wikipedia_sentences(bz2.compress(PLANTED_DUMP.encode())) == [
+        "Alpha is the first letter of the alphabet.", "It comes before beta in order.",
+        "It was used by the Phoenicians long ago."]
+
+
+def test_a_wheel_whose_data_differs_from_gensim_4_4_0_is_refused(tmp_path):
+    wheel = tmp_path / "gensim-4.4.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zipped:
+        for name in WHEEL_FILES:
+            zipped.writestr("gensim/test/test_data/" + name, b"planted")
+    with pytest.raises(ValueError, match="SHA-256"):
+        ensure_sts_standin(tmp_path / "data", wheel=wheel)
+
+
+@pytest.fixture(scope="module")
+def gensim_wheel():
+    """The real gensim 4.4.0 wheel, cached in the kit's data root (fetched with pip once)."""
+    try:
+        return _download_wheel(data_root() / "sts" / "downloads")
+    except RuntimeError as error:
+        pytest.skip(f"no gensim wheel and PyPI unreachable: {error}")
+
+
+@pytest.fixture(scope="module")
+def standin_root(gensim_wheel, tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    ensure_sts_standin(root, wheel=gensim_wheel)
+    return root
+
+
+def test_gensim_standin_sizes_and_formats(standin_root):
+    folder = ensure_sts_standin(standin_root)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["sizes"]["lee.tsv"] == 1225 and manifest["sizes"]["wordsim353.tsv"] == 353
+    assert manifest["sizes"]["simlex999.tsv"] == 999 and 15000 < manifest["sizes"]["train.txt"] < 20000
+    sentences = read_sentences(folder / "train.txt")
+    assert len(sentences) == len(set(sentences)) == manifest["sizes"]["train.txt"]
+    lee = load_standin("lee", standin_root)
+    assert len(set(lee[0]) | set(lee[1])) == 50 and all(0 <= s <= 1 for s in lee[2])
+    assert "£" in " ".join(lee[0])                          # Latin-1 decoded
+    words = load_standin("simlex999", standin_root)
+    assert (words[0][0], words[1][0], words[2][0]) == ("old", "new", 1.58)
+
+
+def test_gensim_standin_is_the_same_from_a_wheel_with_windows_line_ends(gensim_wheel, standin_root, tmp_path):
+    crlf = tmp_path / "gensim-4.4.0-cp312-cp312-win_amd64.whl"
+    with zipfile.ZipFile(gensim_wheel) as source, zipfile.ZipFile(crlf, "w") as target:
+        for name in WHEEL_FILES:
+            data = source.read("gensim/test/test_data/" + name)
+            target.writestr("gensim/test/test_data/" + name,
+                            data if name.endswith(".bz2") else data.replace(b"\n", b"\r\n"))
+    manifests = [json.loads((ensure_sts_standin(root, wheel=wheel) / "manifest.json").read_text())
+                 for root, wheel in ((standin_root, None), (tmp_path, crlf))]
+    assert manifests[0]["sha256"] == manifests[1]["sha256"]
+
+
+def test_gensim_standin_build_is_idempotent(standin_root):
+    folder = ensure_sts_standin(standin_root)
+    stamp = (folder / "train.txt").stat().st_mtime_ns
+    assert ensure_sts_standin(standin_root) == folder                # built: no wheel needed
+    assert (folder / "train.txt").stat().st_mtime_ns == stamp
+    assert [p.name for p in folder.parent.iterdir()] == ["gensim-standin"]  # no staging folder left behind
+    with pytest.raises(ValueError, match="stand-in evaluation sets"):
+        load_standin("STSBenchmark", standin_root)
