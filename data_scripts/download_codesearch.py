@@ -11,7 +11,7 @@
 The bundled preprocess.py / run.sh come from those archives and are run as the official README runs them.
 
 Checksums: the publishers give none, and these hosts cannot be reached from the machine this kit was built
-on, so SHA256 below is None for every file: the script prints each file's computed SHA-256 so that you can
+on, so every checksum in FILES is None: the script prints each file's computed SHA-256 so that you can
 record it; a value filled in is enforced on every run. Offline, use the stand-in instead:
 `python data_scripts/build_codesearch_standin.py`.
 """
@@ -24,17 +24,17 @@ from pathlib import Path
 from gcbs_lib.data import download, download_main, print_checksum
 
 COSQA = "https://github.com/Jun-jie-Huang/CoCLR/raw/main/data/search/"
-FILES = {  # dataset -> [(url, file name)]
-    "cosqa": [(COSQA + name, name) for name in ("code_idx_map.txt", "cosqa-retrieval-dev-500.json",
-                                                "cosqa-retrieval-test-500.json",
-                                                "cosqa-retrieval-train-19604.json")],
+UNKNOWN = None  # no published checksum, and unreachable here: see the docstring
+FILES = {  # dataset -> [(url, file name, SHA-256)]
+    "cosqa": [(COSQA + name, name, UNKNOWN) for name in ("code_idx_map.txt", "cosqa-retrieval-dev-500.json",
+                                                         "cosqa-retrieval-test-500.json",
+                                                         "cosqa-retrieval-train-19604.json")],
     "advtest": [("https://github.com/microsoft/CodeXGLUE/raw/main/Text-Code/NL-code-search-Adv/dataset.zip",
-                 "dataset.zip"),
-                ("https://zenodo.org/record/7857872/files/python.zip", "python.zip")],
+                 "dataset.zip", UNKNOWN),
+                ("https://zenodo.org/record/7857872/files/python.zip", "python.zip", UNKNOWN)],
     "csn": [("https://github.com/microsoft/CodeBERT/raw/master/GraphCodeBERT/codesearch/dataset.zip",
-             "dataset.zip")],
+             "dataset.zip", UNKNOWN)],
 }
-SHA256 = {url: None for files in FILES.values() for url, _ in files}  # unknown here: see the docstring
 FOLDER = {"cosqa": "cosqa", "advtest": "AdvTest", "csn": "CSN"}
 
 
@@ -52,9 +52,9 @@ def unpack_dataset_zip(archive: Path, folder: Path) -> None:
 
 def fetch(dataset: str, root: Path) -> Path:
     folder = root / "codesearch" / FOLDER[dataset]
-    for url, name in FILES[dataset]:
-        path = download(url, folder / "downloads" / name if name.endswith(".zip") else folder / name, SHA256[url])
-        print_checksum(path, SHA256[url])
+    for url, name, sha256 in FILES[dataset]:
+        path = download(url, folder / "downloads" / name if name.endswith(".zip") else folder / name, sha256)
+        print_checksum(path, sha256)
     if dataset == "advtest" and not (folder / "test.jsonl").is_file():
         unpack_dataset_zip(folder / "downloads" / "dataset.zip", folder)
         with zipfile.ZipFile(folder / "downloads" / "python.zip") as zipped:

@@ -1,7 +1,10 @@
 """Specification of the code-search readers (small files in each real format) and the stdlib stand-in."""
+import importlib.util
 import json
 import textwrap
+import zipfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -324,3 +327,44 @@ def test_real_stdlib_standin_retrieval_tasks_pair_every_query(stdlib_standin):
     adv = retrieval_task(advtest / "test.jsonl")
     assert adv.queries == task.queries and adv.positive.tolist() == list(range(len(adv.queries)))
     assert all(code.startswith(("def func (", "async def func (")) for code in adv.codes)
+
+
+def download_script():
+    path = Path(__file__).resolve().parents[1] / "data_scripts" / "download_codesearch.py"
+    spec = importlib.util.spec_from_file_location("download_codesearch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_download_script_fetches_cosqa_into_the_layout_the_readers_use(tmp_path, monkeypatch):
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "code_idx_map.txt").write_text(json.dumps(CODE_IDX_MAP))
+    for name in ("cosqa-retrieval-dev-500.json", "cosqa-retrieval-test-500.json", "cosqa-retrieval-train-19604.json"):
+        (served / name).write_text(json.dumps(COSQA))
+    module = download_script()
+    monkeypatch.setitem(module.FILES, "cosqa", [((served / n).as_uri(), n, h) for _, n, h in module.FILES["cosqa"]])
+    with pytest.raises(SystemExit) as finished:
+        module.main(["--root", str(tmp_path / "data"), "--only", "cosqa"])
+    assert finished.value.code == 0
+    folder = tmp_path / "data" / "codesearch" / "cosqa"
+    task = retrieval_task(folder / "cosqa-retrieval-test-500.json", folder / "code_idx_map.txt")
+    assert task.positive.tolist() == [0, 1]
+
+
+def test_download_script_runs_advtest_preprocessing_shipped_in_the_archive(tmp_path, monkeypatch):
+    served = tmp_path / "served"
+    served.mkdir()
+    with zipfile.ZipFile(served / "dataset.zip", "w") as zipped:   # CodeXGLUE's archive: dataset/preprocess.py
+        zipped.writestr("dataset/preprocess.py", "import json, pathlib\n"
+                        "rows = json.loads(pathlib.Path('python/rows.json').read_text())\n"
+                        "for split in ('train', 'valid', 'test'):\n"
+                        "    pathlib.Path(split + '.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in rows))\n")
+    with zipfile.ZipFile(served / "python.zip", "w") as zipped:    # CodeSearchNet python.zip stand-in
+        zipped.writestr("python/rows.json", json.dumps(ADVTEST_TEST))
+    module = download_script()
+    monkeypatch.setitem(module.FILES, "advtest", [((served / n).as_uri(), n, h) for _, n, h in module.FILES["advtest"]])
+    assert module.fetch("advtest", tmp_path / "data") == tmp_path / "data" / "codesearch" / "AdvTest"
+    task = retrieval_task(tmp_path / "data" / "codesearch" / "AdvTest" / "test.jsonl")
+    assert task.codes == ["def func ( arg_0 ) : return arg_0", "def func ( ) : pass"]

@@ -1,8 +1,11 @@
 """Specification of the SentEval readers (small files in each real format), SimCSE's training files, and the
 gensim-wheel stand-in."""
 import bz2
+import importlib.util
 import json
+import tarfile
 import zipfile
+from pathlib import Path
 from xml.sax.saxutils import escape
 
 import pytest
@@ -209,3 +212,37 @@ def test_gensim_standin_build_is_idempotent(standin_root):
     assert [p.name for p in folder.parent.iterdir()] == ["gensim-standin"]  # no staging folder left behind
     with pytest.raises(ValueError, match="stand-in evaluation sets"):
         load_standin("STSBenchmark", standin_root)
+
+
+def script(name):
+    """Import a data_scripts/ script as a module."""
+    path = Path(__file__).resolve().parents[1] / "data_scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_download_script_unpacks_senteval_where_the_readers_find_it(tmp_path, monkeypatch, capsys):
+    served = tmp_path / "served"
+    write_year(served / "downstream" / "STS" / "STS15-en-test", "STS15")
+    with tarfile.open(tmp_path / "senteval.tar", "w") as tar:
+        tar.add(served / "downstream", arcname="downstream")
+    download_sts = script("download_sts")
+    monkeypatch.setattr(download_sts, "BASE", tmp_path.as_uri() + "/")
+    with pytest.raises(SystemExit) as finished:
+        download_sts.main(["--root", str(tmp_path / "data"), "--only", "senteval", "wiki1m"])
+    assert finished.value.code == 1                                   # wiki1m is not served
+    output = capsys.readouterr()
+    assert "not checked: no recorded checksum" in output.out and "wiki1m: UNREACHABLE" in output.err
+    year = senteval_path("STS15", tmp_path / "data" / "sts" / "SentEval")
+    assert len(load(year, "STS15")[0]) == 2 * len(STS_YEARS["STS15"])
+
+
+def test_download_script_refuses_a_tar_member_outside_the_target(tmp_path):
+    with tarfile.open(tmp_path / "evil.tar", "w") as tar:
+        (tmp_path / "x.txt").write_text("x")
+        tar.add(tmp_path / "x.txt", arcname="../escaped.txt")
+    with pytest.raises((tarfile.TarError, ValueError), match="outside|unsafe"):
+        script("download_sts").unpack(tmp_path / "evil.tar", tmp_path / "target")
+    assert not (tmp_path / "escaped.txt").exists()
