@@ -10,8 +10,9 @@ max length 32, batch 64, lr 3e-5, `cls` pooling with an MLP (dense + tanh) at tr
 Supervised form (`supervised=True`, NLI triples): the entailment hypothesis is the positive and the
 contradiction a hard negative, `docs = [pos_0, neg_0, pos_1, neg_1, …]` in the kit's layout.
 
-Evaluation: Spearman ×100 between the cosine of each pair's embeddings and the human scores. Paper data: STS
-12–16, STS-B and SICK-R as SentEval scores them, averaged (dev: STS-B dev). Offline stand-in (`data=standin`,
+Evaluation: Spearman's ρ between the cosine of each pair's embeddings and the human scores, as a fraction (the
+papers print ×100: their +1.03 is +0.0103 here). Paper data: STS12–16, STS-B and SICK-R as SentEval scores
+them, averaged (dev: STS-B dev). Offline stand-in (`data=standin`,
 NOT STS): sentences of the Wikipedia extract in the gensim wheel's test data to train; the Lee corpus document
 pairs, WordSim353 and SimLex-999 (the last two word-level) to evaluate.
 
@@ -132,12 +133,12 @@ class SimCSE(Experiment):
         return vectors[[row[text] for text in texts]]
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Spearman ×100 of each task of `split`, and their average as `spearman`."""
+        """Spearman's ρ of each task of `split`, and their average as `spearman`."""
         scores = {}
         for name, (first, second, gold) in self.tasks[split].items():
             embedded = self._embed(model, first + second)
             cosines = F.cosine_similarity(embedded[:len(first)], embedded[len(first):], dim=-1)
-            scores[f"spearman_{name}"] = 100 * spearman(cosines.numpy(), gold)
+            scores[f"spearman_{name}"] = spearman(cosines.numpy(), gold)
         return {"spearman": sum(scores.values()) / len(scores), **scores}
 
 
