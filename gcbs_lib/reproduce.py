@@ -16,6 +16,7 @@ DIR (default `runs/<timestamp>/`) receives:
   results/                  the rows each notebook `record`s (the runner points GCBS_RESULTS_DIR here)
   results.md, results.csv   the paper-vs-kit table of those rows (`gcbs_lib.results.build_table`)
   run.json                  command, commit, profile, parameters, status and seconds per notebook
+(a DIR used before keeps its other files; the runner's own outputs above are replaced.)
 A failing notebook makes the exit status 1 and is named with its failing cell; the others still run unless
 `--fail-fast`. `--jobs N` runs N notebooks at once (each in its own kernel), with N × fewer threads each.
 """
@@ -244,7 +245,10 @@ def environment(**values: str):
         yield
     finally:
         for k, v in previous.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_all(notebooks: list[Notebook], plans: dict[str, dict], out: Path, jobs: int, fail_fast: bool,
