@@ -271,16 +271,15 @@ def main() -> None:
     if args.distributed:
         return distributed(args)
     rows, repeats = [], dict(zip(args.sizes, args.repeats * len(args.sizes)))
+    command = shlex.join(["python", "bench/bench_gcbs.py", *sys.argv[1:]])
     for data in args.data:
         for n in args.sizes:
             rows.append(measure(n, repeats[n], args, data))
             print("\n".join(table(rows)[:2] + table(rows[-1:])[2:]), flush=True)
-    command = shlex.join(["python", "bench/bench_gcbs.py", *sys.argv[1:]])
-    section = report(rows, args, command)
-    print(section)
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(section)
+            if args.markdown:  # after every N, so that an interrupted run keeps what it measured
+                Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.markdown).write_text(report(rows, args, command))
+    print(report(rows, args, command))
 
 
 if __name__ == "__main__":

@@ -58,9 +58,16 @@ def _check_pairs(z1: torch.Tensor, z2: torch.Tensor) -> int:
     if z1.numel() == 0:
         raise ValueError(f"empty embeddings: shape {tuple(z1.shape)}")
     for name, z in (("z1", z1), ("z2", z2)):
-        if not torch.isfinite(z).all():
+        if not _all_finite(z):
             raise ValueError(f"{name} holds NaN or inf values")
     return len(z1)
+
+
+def _all_finite(z: torch.Tensor) -> bool:
+    """Whether every entry of z is finite (on the CPU numpy checks float32 several times faster than torch)."""
+    if z.device.type == "cpu" and z.dtype in (torch.float32, torch.float64):
+        return bool(np.isfinite(z.detach().numpy()).all())
+    return bool(torch.isfinite(z).all())
 
 
 def _unit_rows(z1: torch.Tensor, z2: torch.Tensor, dtype=torch.float32,
@@ -109,19 +116,17 @@ def row_blocks(n: int, rank: int = 0, world_size: int = 1, rows: int | None = No
     return [range(s, min(s + rows, n)) for s in starts[rank * per_rank:(rank + 1) * per_rank]]
 
 
-def _blocks(z1, z2, rank: int, world_size: int) -> Iterator[tuple[range, torch.Tensor]]:
-    """(rows, S[rows]) for this rank's row blocks, on the embeddings' device: float32, diagonal −inf."""
-    z1, z2 = _unit_rows(z1, z2, device=z1.device)
-    for rows in row_blocks(len(z1), rank, world_size, _block_rows(len(z1), z1.device, world_size)):
-        block = z1[rows.start:rows.stop] @ z2.T
-        diagonal = torch.arange(rows.start, rows.stop, device=block.device)
-        block[diagonal - rows.start, diagonal] = -math.inf
+def _blocks(u1: torch.Tensor, u2: torch.Tensor, rank: int, world_size: int) -> Iterator[tuple[range, torch.Tensor]]:
+    """(rows, S[rows]) for this rank's row blocks of unit rows u1, u2, on their device: float32, diagonal −inf."""
+    for rows in row_blocks(len(u1), rank, world_size, _block_rows(len(u1), u1.device, world_size)):
+        block = u1[rows.start:rows.stop] @ u2.T
+        block.diagonal(rows.start).fill_(-math.inf)
         yield rows, block
 
 
 def similarity_blocks(z1, z2, rank: int = 0, world_size: int = 1) -> Iterator[tuple[range, np.ndarray]]:
     """Yield (rows, S[rows]) for this rank's row blocks: cosine similarities in float32, diagonal set to −inf."""
-    for rows, block in _blocks(z1, z2, rank, world_size):
+    for rows, block in _blocks(*_unit_rows(z1, z2, device=z1.device), rank, world_size):
         yield rows, block.cpu().numpy()
 
 
@@ -149,12 +154,12 @@ def _in_range(block: torch.Tensor, lo: float, below: float) -> tuple[np.ndarray,
     return flat, values[flat]
 
 
-def _similarities_in(z1, z2, lo: float, below: float, rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _similarities_in(u1, u2, lo: float, below: float, rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
     """One pass over this rank's row blocks: the entries lo ≤ S_ij < below, as flat indices i·N + j in row-major
     order and float32 values (lo and below are float32 numbers or ±inf, so the comparisons are exact)."""
-    n = len(z1)
+    n = len(u1)
     flats, values = [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
-    for rows, block in _blocks(z1, z2, rank, world_size):
+    for rows, block in _blocks(u1, u2, rank, world_size):
         flat, value = _in_range(block, lo, below)
         flats.append(flat + rows.start * n)
         values.append(value)
@@ -218,12 +223,12 @@ def _sample_bound(sample: np.ndarray, n: int, need: int, confidence: float) -> f
     while True:
         top = np.argpartition(sample, size - k)[size - k:]
         top = top[np.argsort(sample[top], kind="stable")[::-1]]
-        values, owners = sample[top], top // n
+        negated, owners = -sample[top], top // n  # negated values ascend
         for p in np.unique(np.geomspace(expected, k, 64).astype(np.int64)):
-            x = values[p - 1]
+            x = -negated[p - 1]
             if x == -math.inf:
                 break
-            counts = np.bincount(owners[:np.searchsorted(-values, -x, side="right")], minlength=r)
+            counts = np.bincount(owners[:np.searchsorted(negated, -x, side="right")], minlength=r)
             if n * counts.mean() - confidence * (scale * counts.std(ddof=1) + math.sqrt(need)) >= need:
                 return float(x)
         if k == size:
@@ -231,17 +236,15 @@ def _sample_bound(sample: np.ndarray, n: int, need: int, confidence: float) -> f
         k = min(size, 4 * k)
 
 
-def _lower_bounds(z1, z2, need: int, world_size: int) -> Iterator[float]:
+def _lower_bounds(u1, u2, need: int, world_size: int) -> Iterator[float]:
     """Decreasing lower bounds (float32 numbers, then −inf) on the value that `need` entries of S reach or exceed.
 
     From `SAMPLE_ROWS` random rows of S: the first bound keeps `CONFIDENCE` standard errors of margin, each next
     one 4× more. The smallest over the ranks, so that all ranks pass over S alike.
     """
-    n = len(z1)
+    n = len(u1)
     rng = np.random.default_rng(stream_seed(0, 0, "gcbs-quantile-sample"))
-    rows = torch.from_numpy(np.sort(rng.choice(n, min(n, SAMPLE_ROWS), replace=False)))
-    u1, u2 = _unit_rows(z1, z2, device=z1.device)
-    rows = rows.to(u1.device)
+    rows = torch.from_numpy(np.sort(rng.choice(n, min(n, SAMPLE_ROWS), replace=False))).to(u1.device)
     sample = u1[rows] @ u2.T
     sample[torch.arange(len(rows), device=u1.device), rows] = -math.inf
     sample = sample.cpu().numpy().ravel()
@@ -275,7 +278,8 @@ class _Candidates:
 def _quantile_pass(z1, z2, quantile: float, rank: int, world_size: int) -> _Candidates:
     """The exact off-diagonal `quantile` of S and the candidate edges, in one pass over S (see above)."""
     _check_quantile(quantile)
-    n = _check_pairs(z1, z2)
+    u1, u2 = _unit_rows(z1, z2, device=z1.device)
+    n = len(u1)
     if n < 2:
         raise ValueError(f"need at least 2 items for an off-diagonal similarity, got N = {n}")
     m = n * (n - 1)
@@ -284,8 +288,8 @@ def _quantile_pass(z1, z2, quantile: float, rank: int, world_size: int) -> _Cand
     ranks = [n + below, n + min(below + 1, m - 1)]  # the N diagonal −inf entries come first
     need = n * n - ranks[0]
     flats, values, passes, upper = [], [], 0, math.inf
-    for lo in _lower_bounds(z1, z2, need, world_size):
-        flat, value = _similarities_in(z1, z2, lo, upper, rank, world_size)
+    for lo in _lower_bounds(u1, u2, need, world_size):
+        flat, value = _similarities_in(u1, u2, lo, upper, rank, world_size)
         flats.append(flat)
         values.append(value)
         passes, upper = passes + 1, lo
@@ -340,16 +344,17 @@ def graph_rows(z1, z2, *, threshold: float | None = None, top_k: int | None = No
     """
     if (threshold is None) == (top_k is None):
         raise ValueError("give exactly one of threshold and top_k")
-    n = _check_pairs(z1, z2)
+    u1, u2 = _unit_rows(z1, z2, device=z1.device)
+    n = len(u1)
     if threshold is not None:
         lo = float(np.nextafter(_float32_at_most(threshold), np.float32(np.inf)))  # s > threshold ⇔ s ≥ lo
-        return _above(*_similarities_in(z1, z2, lo, math.inf, rank, world_size), threshold, n)
+        return _above(*_similarities_in(u1, u2, lo, math.inf, rank, world_size), threshold, n)
     if not 1 <= top_k < n:
         raise ValueError(f"top_k must be between 1 and N − 1 = {n - 1}, got {top_k}")
     rows, cols = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for block_rows, block in similarity_blocks(z1, z2, rank, world_size):
+    for block_rows, block in _blocks(u1, u2, rank, world_size):
         rows.append(np.repeat(np.arange(len(block_rows)), top_k) + block_rows.start)
-        cols.append(_top_columns(block, top_k).ravel())
+        cols.append(_top_columns(block.cpu().numpy(), top_k).ravel())
     return np.concatenate(rows), np.concatenate(cols)
 
 
@@ -434,19 +439,19 @@ def gcbs_order(z1, z2, quantile: float = 0.999, seed: int | None = None, *, top_
     """
     if world_size > 1 and seed is None:
         raise ValueError("give a seed with world_size > 1, so that every rank relabels the graph alike")
-    clock, times, n = _Stopwatch(), StageTimes(), _check_pairs(z1, z2)
+    clock, times = _Stopwatch(), StageTimes()
     if top_k is None:
         found = _quantile_pass(z1, z2, quantile, rank, world_size)
         threshold, passes = found.threshold, found.passes
         candidates = int(_all_reduce(np.array([len(found.values)]), world_size)[0])
         times.similarity = clock.lap()
-        rows, cols = _above(found.flat, found.values, threshold, n)
+        rows, cols = _above(found.flat, found.values, threshold, len(z1))
     else:
         threshold, passes, candidates = None, 1, 0
         rows, cols = graph_rows(z1, z2, top_k=top_k, rank=rank, world_size=world_size)
         times.similarity = clock.lap()
     rows, cols = _gather_edges(rows, cols, world_size)
-    graph = edges_to_graph(rows, cols, n)
+    graph = edges_to_graph(rows, cols, len(z1))
     times.graph = clock.lap()
     order = rcm_order(graph, seed)
     times.rcm = clock.lap()

@@ -112,12 +112,17 @@ def test_one_pass_gives_the_threshold_graph_and_order_of_the_full_matrix_referen
     assert result.passes == 1
 
 
+def bound_above(threshold):
+    """A `_sample_bound` whose first (most confident) bound lies above `threshold`, so that the first pass misses."""
+    bound = gcbs._sample_bound
+    return lambda sample, n, need, confidence: (float(np.float32(threshold + 0.01)) if confidence == gcbs.CONFIDENCE
+                                                else bound(sample, n, need, confidence))
+
+
 def test_a_missed_sample_bound_costs_a_second_pass_and_changes_nothing(monkeypatch):
     z1, z2, quantile = DATA_SETS["clustered, 3 blocks"]
     threshold, _, graph, order = reference_order(z1, z2, quantile, seed=5)
-    bound = gcbs._sample_bound  # the first bound now lies above the quantile
-    monkeypatch.setattr(gcbs, "_sample_bound", lambda sample, n, need, confidence: float(np.float32(threshold + 0.01))
-                        if confidence == gcbs.CONFIDENCE else bound(sample, n, need, confidence))
+    monkeypatch.setattr(gcbs, "_sample_bound", bound_above(threshold))
     result = gcbs_order(z1, z2, quantile, seed=5)
     assert result.passes == 2 and result.candidates > result.edges
     assert result.threshold == threshold and same_graph(result.graph, graph) and torch.equal(result.order, order)
@@ -418,20 +423,30 @@ def _distributed_worker(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     z1, z2 = synthetic_pairs(3000, 16, clusters=40)
-    order = gcbs_order(z1, z2, quantile=0.995, seed=7, rank=rank, world_size=world_size).order
+    found = gcbs_order(z1, z2, quantile=0.995, seed=7, rank=rank, world_size=world_size)
+    gcbs._sample_bound = bound_above(found.threshold)  # a spawned process: the first pass now misses
+    missed = gcbs_order(z1, z2, quantile=0.995, seed=7, rank=rank, world_size=world_size)
     slices = list(make_sampler(PairEncoder(), batch_size=24, rank=rank, world_size=world_size))
-    torch.save({"order": order, "slices": slices}, os.path.join(out_dir, f"rank{rank}.pt"))
+    orders = {name: {"order": r.order, "threshold": r.threshold, "passes": r.passes, "edges": r.edges,
+                     "indices": torch.from_numpy(r.graph.indices), "indptr": torch.from_numpy(r.graph.indptr)}
+              for name, r in [("found", found), ("missed", missed)]}
+    torch.save({"orders": orders, "slices": slices}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def test_ranks_sharing_the_similarity_rows_reproduce_the_single_process_order_and_batches(tmp_path):
+def test_ranks_sharing_the_similarity_rows_reproduce_the_reference_graph_order_and_batches(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_distributed_worker, args=(2, port, str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    z1, z2 = synthetic_pairs(3000, 16, clusters=40)
-    single = gcbs_permutation(z1, z2, quantile=0.995, seed=7)
-    assert all(torch.equal(r["order"], single) for r in results)
+    threshold, edges, graph, order = reference_order(*synthetic_pairs(3000, 16, clusters=40), 0.995, seed=7)
+    for result in results:
+        for name, passes in [("found", 1), ("missed", 2)]:
+            got = result["orders"][name]
+            shared_graph = csr_matrix((np.ones(len(got["indices"]), bool), got["indices"].numpy(),
+                                       got["indptr"].numpy()), shape=graph.shape)
+            assert got["threshold"] == threshold and got["edges"] == edges and got["passes"] == passes
+            assert same_graph(shared_graph, graph) and torch.equal(got["order"], order)
     single_batches = list(make_sampler(PairEncoder(), batch_size=24))
     assert [a + b for a, b in zip(results[0]["slices"], results[1]["slices"])] == single_batches
