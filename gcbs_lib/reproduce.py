@@ -68,12 +68,20 @@ class Notebook:
 
     @classmethod
     def read(cls, path: Path) -> Notebook:
+        """The names and literal values assigned in the notebook's cell tagged `parameters`."""
+        cells = nbformat.read(path, as_version=4).cells
+        cell = next((c for c in cells if "parameters" in c.metadata.get("tags", [])), None)
+        try:
+            statements = ast.parse(cell.source).body if cell is not None else []
+        except SyntaxError as error:
+            raise UsageError(f"{path.name}: its parameters cell is not plain Python: {error}") from None
         defaults = {}
-        for name, spec in papermill.inspect_notebook(str(path)).items():
-            try:
-                defaults[name] = ast.literal_eval(spec["default"])
-            except (ValueError, SyntaxError):
-                defaults[name] = None  # not a literal: accept any value
+        for statement in statements:
+            for target in statement.targets if isinstance(statement, ast.Assign) else []:
+                try:
+                    defaults[target.id] = ast.literal_eval(statement.value)
+                except ValueError:
+                    defaults[target.id] = None  # not a literal: accept any value
         return cls(path, defaults)
 
 
