@@ -70,11 +70,11 @@ def test_different_profiles_or_experiments_are_never_averaged_together():
 
 
 def test_the_paper_headline_is_attached_to_the_matching_arm_and_metric_only():
-    lines = build_table([([row("random", 0, 0.5), row("gcbs", 0, 0.6), row("gcbs", 0, 0.1, metric="loss_gap")],
-                          "")])
+    lines = build_table([([row("random", 0, 0.5), row("gcbs", 0, 0.6), row("gcbs", 0, 0.1, metric="loss_gap"),
+                           row("gcbs", 0, 0.7, metric="dev_mrr")], "")])
     paper = {(line.arm, line.metric): line.paper for line in lines}
     assert paper["gcbs", "test_mrr"].startswith("+0.0100 / +0.0200 / +0.0220 (CosQA")
-    assert paper["random", "test_mrr"] == paper["gcbs", "loss_gap"] == ""
+    assert paper["random", "test_mrr"] == paper["gcbs", "loss_gap"] == paper["gcbs", "dev_mrr"] == ""
 
 
 def test_paper_headlines_the_kit_has_not_run_are_listed_when_asked():
