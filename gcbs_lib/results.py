@@ -79,7 +79,7 @@ def record(rows: list[dict], name: str) -> Path | None:
     return write_rows(Path(folder) / f"{name}.json", rows) if folder else None
 
 
-# ── The paper-vs-kit table ────────────────────────────────────────────────────────────────────────────────────
+# ── The paper-vs-kit table ────────────────────
 
 BASELINE_ARM = "random"
 
@@ -142,7 +142,8 @@ def _paper_text(experiment: str, arm: str, metric: str) -> str:
     return next((p.text() for p in PAPER_DELTAS if p.matches(experiment, arm, metric)), "")
 
 
-def build_table(sources: Iterable[tuple[list[dict], str]], *, list_unrun_paper_results: bool = False) -> list[TableLine]:
+def build_table(sources: Iterable[tuple[list[dict], str]], *,
+                list_unrun_paper_results: bool = False) -> list[TableLine]:
     """Aggregate result rows into table lines; `sources` pairs each file's rows with the commit that made them.
 
     Rows are grouped by (experiment, model, data, profile, metric); within a group each arm gets mean ± sd over
@@ -225,7 +226,7 @@ def write_csv(path: str | Path, lines: list[TableLine]) -> Path:
     return path
 
 
-# ── Committed results and the README table ────────────────────────────────────────────────────────────────────
+# ── Committed results and the README table ────────────────────
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 COMMITTED = REPOSITORY / "results"  # <notebook>.<profile>.json rows, and provenance.json: how each was made

@@ -127,6 +127,19 @@ def test_a_run_of_notebook_01_is_collected_into_results_and_the_readme_table(tmp
     sh(".venv/bin/python -m gcbs_lib.results readme --check")  # the real README is up to date
 
 
+@runs(".venv/bin/torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id gcbs "
+      "-m gcbs_lib.train --experiment codesearch --profile paper --sampler gcbs --output-dir runs/codesearch-paper")
+def test_multi_node_training_command_rendezvouses_and_trains(tmp_path):
+    """On one node with two CPU ranks, the ci profile and two steps: the same rendezvous and training path."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    sh(f".venv/bin/torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint {endpoint} "
+       f"--rdzv-id gcbs -m gcbs_lib.train --experiment codesearch --profile ci --sampler gcbs --output-dir {tmp_path} "
+       f"--set max_steps=2")
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert {(r["experiment"], r["arm"]) for r in rows} == {("codesearch", "gcbs")}
+    assert (tmp_path / "checkpoint.pt").exists()
+
+
 @runs("make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu",
       "make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128")
 @pytest.mark.parametrize("build", ["cpu", "cu128"])

@@ -15,7 +15,8 @@ from gcbs_lib.reproduce import UsageError, coerce, discover
 from gcbs_lib.results import RESULTS_DIR_VARIABLE, read_rows
 
 NOTEBOOKS = reproduce.NOTEBOOKS
-HEADER = "# ---\n# jupyter:\n#   kernelspec:\n#     display_name: Python 3\n#     language: python\n#     name: python3\n# ---\n"
+HEADER = ("# ---\n# jupyter:\n#   kernelspec:\n#     display_name: Python 3\n#     language: python\n"
+          "#     name: python3\n# ---\n")
 FAILING = HEADER + """
 # %% tags=["parameters"]
 n = 3
