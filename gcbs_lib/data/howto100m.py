@@ -21,7 +21,6 @@ Corrupt or truncated feature files are skipped and listed, never a crash.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import pickle

@@ -17,9 +17,14 @@ MSR-VTT).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -38,6 +43,7 @@ from gcbs_lib.distributed import gather_with_grad, gradient_rank_difference, ran
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, register
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import mil_nce
+from gcbs_lib.measure import _sampled_rss_rise, _vmhwm_rise, memory_method
 from gcbs_lib.metrics import median_rank, recall_at, retrieval_ranks
 from gcbs_lib.models import PAD_ID, HashingTokenizer
 from gcbs_lib.seeding import generator, stream_seed
@@ -325,3 +331,54 @@ def gradient_check(options: dict, batch_size: int, seed: int = 0, scale: float =
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     return {"loss": mean_loss.item() / world_size, "grad": grad.tolist(), "grad_norm": grad.norm().item(),
             "rank_difference": gradient_rank_difference(model.parameters())}
+
+
+def _loss_step(setting: dict, device: str):
+    """One `mil_nce` forward and backward on random inputs: `clips` clips with disjoint bags of `bag_size`."""
+    g = torch.Generator().manual_seed(0)
+    clips, k, dim = setting["clips"], setting["bag_size"], setting["dim"]
+    video = torch.randn(clips, dim, generator=g).to(device).requires_grad_()
+    text = torch.randn(clips * k, dim, generator=g).to(device).requires_grad_()
+    bags = torch.arange(clips * k, device=device).view(clips, k)
+    return lambda: mil_nce(video, text, bags, 0.07, setting["direction"], setting["chunk_size"]).backward()
+
+
+def loss_peak_memory(settings: list[dict], device: str = "cpu") -> list[int]:
+    """Peak bytes of one `mil_nce` forward and backward above its inputs, for each setting `{"clips",
+    "bag_size", "dim", "chunk_size", "direction"}`: the CUDA allocator's peak, or on CPU the peak resident set
+    of a fresh process (`gcbs_lib.measure.memory_method`)."""
+    if not device.startswith("cuda"):
+        result = subprocess.run([sys.executable, "-m", "gcbs_lib.experiments.milnce", json.dumps(settings)],
+                                capture_output=True, text=True, timeout=600)
+        if result.returncode:
+            raise RuntimeError(f"memory probe failed:\n{result.stderr}")
+        return json.loads(result.stdout.splitlines()[-1])
+    peaks = []
+    for setting in settings:
+        step = _loss_step(setting, device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    return peaks
+
+
+def _cpu_peaks(settings: list[dict]) -> list[int]:
+    """Each setting's peak in this process, memory freed by the previous one handed back to the system first
+    (glibc's `malloc_trim`), so a step cannot reuse pages already resident."""
+    rise = _vmhwm_rise if memory_method("cpu") == "vmhwm" else _sampled_rss_rise
+    trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    _loss_step({"clips": 4, "bag_size": 2, "dim": 4, "chunk_size": 2, "direction": "both"}, "cpu")()  # warm up
+    peaks = []
+    for setting in settings:
+        step = _loss_step(setting, "cpu")
+        gc.collect()
+        trim(0)
+        peaks.append(rise(step))
+    return peaks
+
+
+if __name__ == "__main__":  # the fresh process behind loss_peak_memory on CPU
+    print(json.dumps(_cpu_peaks(json.loads(sys.argv[1]))))
