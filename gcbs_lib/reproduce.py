@@ -304,7 +304,8 @@ def write_report(out: Path, run: dict, outcomes: dict[str, Outcome]) -> tuple[in
     notebooks = "\n".join(f"| {name} | {o.status} | {o.seconds:.0f} | {len(o.figures)} | "
                           f"{o.error.splitlines()[0] if o.error else ''} |" for name, o in outcomes.items())
     text = (f"# Results of `{run['command']}`\n\nProfile `{run['profile']}`, commit {run['commit']}, started "
-            f"{run['started']}, {run['cores']} cores, {run['jobs']} notebook(s) at a time.\n\n"
+            f"{run['started']}, {run['cores']} cores (load average {run['load_average']} at the start), {run['jobs']} "
+            f"notebook(s) at a time.\n\n"
             + (to_markdown(lines) if lines else "No notebook recorded result rows.\n")
             + "".join(f"\nUnreadable results file (skipped): {u}\n" for u in unreadable)
             + "\n| notebook | status | seconds | figures | error |\n|---|---|---|---|---|\n" + notebooks + "\n")
@@ -350,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     cores = os.cpu_count() or 1
     run = {"command": command, "commit": current_commit(), "profile": args.profile, "cores": cores,
+           "load_average": round(os.getloadavg()[0], 1),  # other work on the machine slows what notebooks time
            "jobs": args.jobs, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     threads = {} if args.jobs == 1 or "OMP_NUM_THREADS" in os.environ else {
         "OMP_NUM_THREADS": str(max(1, cores // args.jobs))}

@@ -251,7 +251,7 @@ def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
         target = write_rows(folder / f"{source.stem}.{profiles.pop()}.json", rows)
         seconds = run["notebooks"].get(source.stem, {}).get("seconds")
         provenance[target.name] = {"commit": run["commit"], "command": run["command"], "date": run["started"],
-                                   "seconds": seconds, "cores": run["cores"]}
+                                   "seconds": seconds, "cores": run["cores"], "load_average": run["load_average"]}
         written.append(target)
     if not written:
         raise ValueError(f"{run_dir / 'results'} holds no result rows: did the notebooks call record(...)?")
@@ -274,7 +274,8 @@ def committed_table(folder: str | Path = COMMITTED, profile: str = "cpu") -> str
     notes = []
     for file, m in zip(files, made):
         how = (f"`{m['command']}` at commit {m['commit']}, {m['date'][:10]}, "
-               f"{m['seconds'] or '?'} s on {m['cores']} cores") if m else "provenance not recorded"
+               f"{m['seconds'] or '?'} s on {m['cores']} cores at load average {m['load_average']}"
+               ) if m else "provenance not recorded"
         notes.append(f"- `results/{file.name}`: {how}")
     return table + "\nProduced by:\n" + "\n".join(notes) + "\n"
 

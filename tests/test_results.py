@@ -99,7 +99,8 @@ def fake_run(folder, rows, commit="abc1234"):
     write_rows(folder / "results" / "04_gcbs_codesearch.json", rows)
     (folder / "run.json").write_text(json.dumps({
         "command": "python -m gcbs_lib.reproduce --profile cpu --only 04", "commit": commit, "profile": "cpu",
-        "started": "2026-11-30T05:00:00+00:00", "cores": 2, "notebooks": {"04_gcbs_codesearch": {"seconds": 12.5}}}))
+        "started": "2026-11-30T05:00:00+00:00", "cores": 2, "load_average": 1.5,
+        "notebooks": {"04_gcbs_codesearch": {"seconds": 12.5}}}))
     return folder
 
 
@@ -111,7 +112,7 @@ def test_collect_copies_a_runs_rows_with_their_provenance_and_the_readme_table_f
     assert read_rows(committed / "04_gcbs_codesearch.cpu.json") == rows
     table = committed_table(committed)
     assert "| codesearch | gcbs | test_mrr |" in table and "| abc1234 |" in table
-    assert "--only 04` at commit abc1234, 2026-11-30, 12.5 s on 2 cores" in table
+    assert "--only 04` at commit abc1234, 2026-11-30, 12.5 s on 2 cores at load average 1.5" in table
     assert not update_readme(readme, committed, check=True)  # stale: the check fails and changes nothing
     assert "stale" in readme.read_text()
     assert not update_readme(readme, committed)  # rewrites
