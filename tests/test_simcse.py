@@ -7,6 +7,7 @@ import scipy.stats
 import torch
 import torch.nn.functional as F
 
+from gcbs_lib.arms import run_arms
 from gcbs_lib.data.sts import STS_YEARS, TASKS
 from gcbs_lib.experiments import get
 from gcbs_lib.experiments.simcse import split_by_document
@@ -134,6 +135,17 @@ def test_simcse_trains_through_the_training_loop_and_writes_result_rows(paper_ro
     assert {r["metric"] for r in summary["rows"]} >= {"test_spearman", "dev_spearman", "test_spearman_STS12"}
     assert all(r["data"] == "paper" and r["experiment"] == "simcse" for r in summary["rows"])
     assert "loss_gap" in summary["epochs"][0]
+
+
+def test_run_arms_trains_every_arm_on_every_seed_and_then_loads_the_finished_runs(paper_root, tmp_path):
+    overrides = dict(data="paper", data_root=str(paper_root), encoder="tiny-bert", batch_size=8, epochs=1,
+                     max_steps=2, eval_max_length=16, progress=False)
+    first = run_arms("simcse", "ci", ["random", "gcbs"], [0, 1], tmp_path, overrides)
+    assert set(first) == {("random", 0), ("random", 1), ("gcbs", 0), ("gcbs", 1)}
+    logged = (tmp_path / "gcbs-seed1" / "metrics.jsonl").read_text()
+    again = run_arms("simcse", "ci", ["gcbs"], [1], tmp_path, overrides)
+    assert again["gcbs", 1]["rows"] == first["gcbs", 1]["rows"]
+    assert (tmp_path / "gcbs-seed1" / "metrics.jsonl").read_text() == logged  # loaded, not retrained
 
 
 def test_promcse_updates_only_the_prompt_and_the_mlp_through_gradcache(paper_root, tmp_path):

@@ -42,7 +42,8 @@ from gcbs_lib.models import text_encoder
 from gcbs_lib.seeding import generator
 
 MODEL_NAMES = {"minilm": "all-MiniLM-L6-v2"}
-TINY_BERT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+TINY_BERT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+             "initializer_range": 0.1}  # wider than BERT's 0.02: a random [CLS] then depends on the sentence
 
 
 @register("simcse")
