@@ -14,7 +14,7 @@ ARGS ?=
 LAB_ARGS ?=
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 
-.PHONY: help install lab test unit nbval sync-check reproduce notebooks clean
+.PHONY: help install lab test unit nbval sync-check reproduce notebooks bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -54,6 +54,11 @@ notebooks: $(STAMP)  ## sync each edited .py into its .ipynb and re-execute it i
 	  $(BIN)/jupytext --quiet --sync "$$py" && \
 	  (cd notebooks && ../$(BIN)/jupyter execute --inplace "$$(basename $${py%.py}.ipynb)") || exit 1; \
 	done
+
+bench: $(STAMP)  ## run bench/bench_*.py (many minutes; installs the peers in bench/requirements.txt) → docs/benchmarks.md
+	$(BIN)/python -m pip install --quiet -c requirements.txt -r bench/requirements.txt
+	for script in bench/bench_*.py; do $(BIN)/python "$$script" || exit 1; done
+	$(BIN)/python bench/report.py
 
 clean:  ## remove the virtual environment and run outputs
 	rm -rf $(VENV) runs

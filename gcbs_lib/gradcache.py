@@ -15,6 +15,10 @@ built on that Function's outputs. The caller's `loss.backward()` therefore runs 
 gradient accumulation, parameters inside the loss (a learnable logit scale) and `torch.no_grad()` behave
 exactly as with the full-batch loss. Every memory peak is one chunk's graph, never the batch's.
 
+One chunk is never replayed: the last chunk of the last branch keeps the graph of its step-1 forward (one
+chunk's graph is the memory budget anyway), and step 3 back-propagates it first, freeing it before any
+replay. A second backward (`retain_graph=True`) finds that graph spent and replays the chunk like the others.
+
 Exactness needs a deterministic encoder given its RNG state and inputs: no BatchNorm in training mode (it
 normalises each chunk by its own statistics), no inputs carrying a graph; both are refused with an error.
 """
@@ -140,6 +144,7 @@ class _Chunk:
     inputs: Any
     rows: slice
     rng: RandContext
+    kept: list | None = None  # the step-1 output leaves with their graph, until step 3 back-propagates them
 
 
 @dataclass
@@ -175,14 +180,20 @@ def _is_ddp(encoder) -> bool:
 
 
 def _replay(cache: _Cache, grads_by_branch: dict[int, list[torch.Tensor]]) -> None:
-    """Step 3: re-encode every chunk with a graph and back-propagate its slice of ∂L/∂z.
+    """Step 3: back-propagate each chunk's slice of ∂L/∂z through its graph: the kept graph first, then each
+    other chunk re-encoded with a graph.
 
     A DistributedDataParallel encoder replays under `no_sync()` except its last chunk, whose backward runs
-    one gradient all-reduce over everything accumulated.
+    one gradient all-reduce over everything accumulated (`_sync_on_last_use` orders the chunks so).
     """
-    last_use = {id(c.encoder): k for k, c in enumerate(cache.chunks)}
-    for k, chunk in enumerate(cache.chunks):
-        sync = not _is_ddp(chunk.encoder) or last_use[id(chunk.encoder)] == k
+    chunks = _in_backward_order(cache.chunks)
+    syncs = _sync_on_last_use(chunks)
+    for chunk, sync in zip(chunks, syncs):
+        grads = [grad[chunk.rows] for grad in grads_by_branch[chunk.branch]]
+        if chunk.kept is not None:
+            leaves, chunk.kept = chunk.kept, None  # a second backward replays this chunk instead
+            _backward_through(leaves, grads, chunk)
+            continue
         with contextlib.ExitStack() as stack:
             if not sync:
                 stack.enter_context(chunk.encoder.no_sync())
@@ -190,16 +201,31 @@ def _replay(cache: _Cache, grads_by_branch: dict[int, list[torch.Tensor]]) -> No
             for device, dtype in cache.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             stack.enter_context(torch.enable_grad())
-            leaves, _ = tree_flatten(chunk.encoder(chunk.inputs))
-            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-            pairs = [(t, grad[chunk.rows]) for t, grad in zip(tensors, grads_by_branch[chunk.branch])
-                     if t.is_floating_point() and t.requires_grad]
-            for replayed, grad in pairs:
-                if replayed.shape != grad.shape:
-                    raise RuntimeError(f"branch {chunk.branch}, rows {chunk.rows.start}:{chunk.rows.stop}: the replay "
-                                       f"gave shape {tuple(replayed.shape)}, the first pass {tuple(grad.shape)}")
-            if pairs:
-                torch.autograd.backward(*zip(*pairs))
+            _backward_through(tree_flatten(chunk.encoder(chunk.inputs))[0], grads, chunk)
+
+
+def _in_backward_order(chunks: list[_Chunk]) -> list[_Chunk]:
+    """The chunk that kept its graph first (so that graph is freed before any replay), then the others in order."""
+    return sorted(chunks, key=lambda chunk: chunk.kept is None)
+
+
+def _sync_on_last_use(chunks: list[_Chunk]) -> list[bool]:
+    """For each chunk in backward order, whether its backward may run DDP's gradient all-reduce: only the last
+    chunk of each DistributedDataParallel module (every chunk of any other encoder: nothing to synchronise)."""
+    last_use = {id(chunk.encoder): k for k, chunk in enumerate(chunks)}
+    return [not _is_ddp(chunk.encoder) or last_use[id(chunk.encoder)] == k for k, chunk in enumerate(chunks)]
+
+
+def _backward_through(leaves: list, grads: list[torch.Tensor], chunk: _Chunk) -> None:
+    """Back-propagate `grads` (one per output tensor) through a chunk's output leaves."""
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    pairs = [(t, grad) for t, grad in zip(tensors, grads) if t.is_floating_point() and t.requires_grad]
+    for output, grad in pairs:
+        if output.shape != grad.shape:
+            raise RuntimeError(f"branch {chunk.branch}, rows {chunk.rows.start}:{chunk.rows.stop}: the replay "
+                               f"gave shape {tuple(output.shape)}, the first pass {tuple(grad.shape)}")
+    if pairs:
+        torch.autograd.backward(*zip(*pairs))
 
 
 def _encoders_per_branch(encoders, branches: int) -> list[Callable]:
@@ -222,8 +248,11 @@ def _check_replayable(encoder, batch, branch: int) -> None:
                          f"LayerNorm or put BatchNorm in eval mode")
 
 
-def _encode_without_graph(encoder, batch, chunk_size: int, branch: int) -> tuple[list[_Chunk], list, TreeSpec]:
-    """Step 1 for one branch: encode chunk by chunk under no_grad, saving each chunk's RNG state."""
+def _encode_branch(encoder, batch, chunk_size: int, branch: int, keep_last: bool,
+                   earlier: list[_Chunk]) -> tuple[list[_Chunk], list, TreeSpec]:
+    """Step 1 for one branch: encode chunk by chunk under no_grad, saving each chunk's RNG state. With
+    `keep_last`, the last chunk is encoded with a graph that step 3 back-propagates instead of replaying it;
+    a DDP encoder then runs that forward under `no_sync()` unless no `earlier` chunk uses it (see `_replay`)."""
     n = batch_length(batch)
     if n == 0:
         raise ValueError(f"branch {branch} is an empty batch")
@@ -234,14 +263,19 @@ def _encode_without_graph(encoder, batch, chunk_size: int, branch: int) -> tuple
         rows = slice(start, min(start + chunk_size, n))
         inputs = slice_batch(batch, rows.start, rows.stop)
         rng = RandContext(*_tensors_of(inputs), *parameters)  # the parameters' devices: dropout may run there
-        with torch.no_grad():
+        keep = keep_last and rows.stop == n
+        with contextlib.ExitStack() as stack:
+            if not keep:
+                stack.enter_context(torch.no_grad())
+            elif _is_ddp(encoder) and any(chunk.encoder is encoder for chunk in earlier + chunks):
+                stack.enter_context(encoder.no_sync())
             leaves, spec = _chunk_leaves(encoder(inputs), rows, branch)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not torch.isfinite(leaf).all():
                 raise FloatingPointError(f"branch {branch}, rows {rows.start}:{rows.stop}: "
                                          f"the encoder produced NaN or inf embeddings")
-        chunks.append(_Chunk(branch, encoder, inputs, rows, rng))
-        per_chunk.append((leaves, spec))
+        chunks.append(_Chunk(branch, encoder, inputs, rows, rng, kept=leaves if keep else None))
+        per_chunk.append(([leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec))
     return (chunks, *_merge_chunks(per_chunk, branch))
 
 
@@ -263,8 +297,10 @@ def cached_loss(loss_fn: Callable[..., torch.Tensor], encoders, batches: Sequenc
     if isinstance(batches, (torch.Tensor, Mapping)) or len(batches) == 0:
         raise ValueError("batches must be a non-empty sequence with one input per branch")
     chunks, cached, structures, tensor_branches = [], [], [], []
+    last = len(batches) - 1
     for branch, (encoder, batch) in enumerate(zip(_encoders_per_branch(encoders, len(batches)), batches)):
-        branch_chunks, leaves, spec = _encode_without_graph(encoder, batch, chunk_size, branch)
+        keep_last = branch == last and torch.is_grad_enabled()
+        branch_chunks, leaves, spec = _encode_branch(encoder, batch, chunk_size, branch, keep_last, chunks)
         chunks += branch_chunks
         structures.append((leaves, spec))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]

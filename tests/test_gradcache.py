@@ -1,11 +1,15 @@
 """Specification of GradCache: `cached_loss(...).backward()` gives the full-batch gradients, whatever the chunks."""
+import weakref
 from collections import namedtuple
 from dataclasses import dataclass
 from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
 from gcbs_lib import gradcache
@@ -107,13 +111,14 @@ def record_outputs(encoders):
 
 
 def first_pass_and_replays(setup, chunk_size):
-    """Run cached_loss and its backward; return the recorded first-pass and replay outputs."""
+    """Run cached_loss and its backward; return the recorded first-pass outputs (one per chunk) and the replay
+    outputs (one per chunk but the last, whose first forward kept its graph), in chunk order."""
     calls, handles = record_outputs(setup.encoder_list())
     setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, chunk_size))
     for handle in handles:
         handle.remove()
-    half = len(calls) // 2
-    return calls[:half], calls[half:]
+    chunks = sum(-(-gradcache.batch_length(batch) // chunk_size) for batch in setup.batches)
+    return calls[:chunks], calls[chunks:]
 
 
 def test_dropout_is_active_so_two_train_mode_forwards_differ():
@@ -125,7 +130,7 @@ def test_dropout_is_active_so_two_train_mode_forwards_differ():
 @pytest.mark.parametrize("variant", ["plain", "colbert"])
 def test_replayed_chunk_embeddings_are_bitwise_equal_to_the_first_pass(variant):
     first, replays = first_pass_and_replays(make_setup(variant, dropout=0.1), chunk_size=4)
-    assert len(first) == len(replays) == 4
+    assert len(first) == 4 and len(replays) == 3
     assert all(torch.equal(a, b) for f, r in zip(first, replays) for a, b in zip(f, r))
 
 
@@ -393,3 +398,95 @@ def test_batchnorm_in_training_mode_is_refused_and_in_eval_mode_accepted():
 def test_outputs_that_are_not_batch_first_are_refused():
     with pytest.raises(ValueError, match=r"shape \(3, 2\); every output tensor must have one row per input row"):
         cached_loss(info_nce, lambda x: x.T, [torch.randn(2, 3), torch.randn(2, 3)], 2)
+
+
+# ---- the kept graph: the last chunk of the last branch is back-propagated from its first forward -------------
+
+def count_calls(encoders):
+    calls = []
+    handles = [e.register_forward_hook(lambda module, args, output: calls.append(1)) for e in dict.fromkeys(encoders)]
+    return calls, handles
+
+
+@pytest.mark.parametrize("chunk_size, chunks", [(4, 4), (BATCH, 2), (1, 2 * BATCH)])
+def test_every_chunk_but_the_last_is_replayed_once(chunk_size, chunks):
+    setup = make_setup(dropout=0.1)
+    calls, handles = count_calls(setup.encoder_list())
+    loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, chunk_size)
+    first_pass = len(calls)
+    setup.grads_of(loss)
+    [h.remove() for h in handles]
+    assert (first_pass, len(calls) - first_pass) == (chunks, chunks - 1)
+
+
+def test_a_second_backward_replays_the_spent_kept_chunk_and_adds_the_same_gradient():
+    setup = make_setup("symmetric", shared=True, dropout=0.1)
+    torch.manual_seed(3)
+    loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+    for p in setup.params:
+        p.grad = None
+    loss.backward(retain_graph=True)
+    once = [p.grad.clone() for p in setup.params]
+    loss.backward()
+    assert max_relative_error([p.grad for p in setup.params], [2 * g for g in once]) <= 1e-12
+
+
+def test_the_kept_graph_is_released_by_the_backward_while_the_loss_lives():
+    setup = make_setup()
+    outputs = []
+    handle = setup.encoders[1].register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+    loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+    handle.remove()
+    kept = outputs[-1]
+    assert kept() is not None and kept().requires_grad
+    loss.backward()
+    assert kept() is None and loss.grad_fn is not None
+
+
+def test_the_random_stream_after_a_step_is_where_the_same_mask_reference_leaves_it():
+    setup = make_setup("symmetric", dropout=0.1)
+    torch.manual_seed(11)
+    setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))
+    after_step = torch.get_rng_state()
+    torch.manual_seed(11)
+    setup.full_batch_loss(chunk_size=4)
+    assert torch.equal(after_step, torch.get_rng_state())
+
+
+def test_under_no_grad_no_graph_is_kept():
+    setup = make_setup()
+    outputs = []
+    handle = setup.encoders[1].register_forward_hook(lambda module, args, output: outputs.append(output))
+    with torch.no_grad():
+        cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
+    handle.remove()
+    assert not any(output.requires_grad for output in outputs)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of one rank in this process: DDP's reducer and all-reduce run as on many ranks."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def counted_ddp(encoder):
+    """`encoder` in DistributedDataParallel with a communication hook that counts the gradient all-reduces."""
+    ddp, counts = DistributedDataParallel(encoder), []
+    ddp.register_comm_hook(counts, lambda counts, bucket: (counts.append(1), allreduce_hook(None, bucket))[1])
+    return ddp, counts
+
+
+@pytest.mark.parametrize("shared, chunk_size", [(True, 4), (True, BATCH), (False, 4), (False, BATCH)],
+                         ids=["shared_4", "shared_batch", "two_encoders_4", "two_encoders_batch"])
+def test_ddp_runs_one_allreduce_per_module_whichever_chunk_kept_its_graph(one_rank_group, shared, chunk_size):
+    setup = make_setup("symmetric", shared, dropout=0.1)
+    torch.manual_seed(5)
+    reference = setup.grads_of(setup.full_batch_loss(chunk_size=chunk_size))
+    wrapped = [counted_ddp(e) for e in dict.fromkeys(setup.encoder_list())]
+    encoders = wrapped[0][0] if shared else [ddp for ddp, _ in wrapped]
+    torch.manual_seed(5)
+    grads = setup.grads_of(cached_loss(setup.loss_fn, encoders, setup.batches, chunk_size))
+    assert [len(counts) for _, counts in wrapped] == [1] * len(wrapped)
+    assert max_relative_error(grads, reference) <= 1e-12

