@@ -37,7 +37,7 @@ after it, so the last checkpoint stays the last good state.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -46,7 +46,7 @@ import sys
 import time
 import types
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,7 +64,7 @@ from gcbs_lib.gcbs import GCBSBatchSampler, embed_all, loss_gap
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import LogitScale
 from gcbs_lib.mining import mine_hard_negatives
-from gcbs_lib.results import result_row, write_rows
+from gcbs_lib.results import read_rows, result_row, write_rows
 from gcbs_lib.seeding import generator, stream_seed
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -317,6 +317,18 @@ class EpochPlan:
         return {"batches": self.batches, "negatives": self.negatives}
 
 
+_EMBEDDINGS: dict[tuple, tuple[torch.Tensor, torch.Tensor, float]] = {}  # the latest training-set embeddings
+
+
+def _fingerprint(model: nn.Module) -> str:
+    """A digest of every parameter and buffer bit: equal exactly when the model states are equal."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _broadcast(obj: Any, world_size: int) -> Any:
     """Rank 0's `obj` on every rank."""
     if world_size == 1:
@@ -442,9 +454,20 @@ class Trainer:
         return True
 
     # ---- epochs -----------------------------------------------------------------------------------------
-    def _embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return embed_all(lambda idx: tuple(z.float().cpu() for z in self.experiment.pair_embeddings(self.model, idx)),
-                         self.train_set.size, self.config.embed_batch_size, self.model, progress=False)
+    def _embeddings(self) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """(z1, z2) of the whole training set from the current model, the seconds computing them took, and
+        whether they were reused: runs in one process that start an epoch from the same model state (every arm
+        and seed of a pretrained encoder at epoch 0) share one computation, its time still reported."""
+        key = (self.config.experiment, json.dumps(asdict(self.config.options), sort_keys=True), self.config.dtype,
+               str(self.device), _fingerprint(self.model))
+        if key not in _EMBEDDINGS:
+            start = time.perf_counter()
+            z1, z2 = embed_all(lambda idx: tuple(z.float().cpu() for z in self.experiment.pair_embeddings(self.model, idx)),
+                               self.train_set.size, self.config.embed_batch_size, self.model, progress=False)
+            _EMBEDDINGS.clear()
+            _EMBEDDINGS[key] = (z1, z2, time.perf_counter() - start)
+            return z1, z2, _EMBEDDINGS[key][2], False
+        return (*_EMBEDDINGS[key], True)
 
     def _plan_epoch(self) -> EpochPlan:
         """Rank 0 plans the epoch (and logs its cost and loss gap); every rank receives the plan."""
@@ -456,10 +479,10 @@ class Trainer:
 
     def _make_plan(self) -> tuple[EpochPlan, dict]:
         config, n, b = self.config, self.train_set.size, self.config.batch_size
-        steps, clock = self.steps_per_epoch, time.perf_counter()
+        steps = self.steps_per_epoch
         needs_embeddings = config.sampler != "random" or config.log_loss_gap
-        z1, z2 = self._embeddings() if needs_embeddings else (None, None)
-        embed_seconds, clock = time.perf_counter() - clock, time.perf_counter()
+        z1, z2, embed_seconds, reused = self._embeddings() if needs_embeddings else (None, None, 0.0, False)
+        clock = time.perf_counter()
         negatives = None
         if config.sampler == "gcbs":
             sampler = GCBSBatchSampler(lambda idx: (z1[idx], z2[idx]), n, b, "drop", quantile=config.gcbs_quantile,
@@ -479,7 +502,7 @@ class Trainer:
             raise RuntimeError(f"the {config.sampler} sampler planned {tuple(batches.shape)} batches, "
                                f"expected {(steps, b)}")
         record = {"kind": "epoch", "epoch": self.epoch, "step": self.step, "sampler": config.sampler,
-                  "embed_seconds": embed_seconds, "sampler_seconds": sampler_seconds}
+                  "embed_seconds": embed_seconds, "embeddings_reused": reused, "sampler_seconds": sampler_seconds}
         if z1 is not None and config.log_loss_gap:
             items = batches.reshape(-1)
             record["loss_gap"] = loss_gap(z1[items], z2[items], torch.arange(len(items)), b, 1 / self._scale_value())
@@ -564,6 +587,7 @@ class Trainer:
         resumed = self._resume()
         if not resumed and self.main:
             (self.dir / "metrics.jsonl").write_text("")
+        already_finished = resumed and self.step >= self.total_steps
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (self.config.progress and self.main),
                    desc=f"{self.config.experiment}/{self.config.sampler}/seed{self.config.seed}", dynamic_ncols=True)
@@ -587,38 +611,45 @@ class Trainer:
             if self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps:
                 self._save()
         bar.close()
-        if self.plan is None:  # a run with nothing left to do, and no checkpoint yet: nothing was trained
-            raise ValueError("total_steps is 0: nothing to train")
-        return self._finish()
+        return self._finish(already_finished)
 
-    def _finish(self) -> dict | None:
-        """Rank 0 scores the best model on the test split and writes results.json; returns the run's summary."""
+    def _finish(self, already_finished: bool) -> dict | None:
+        """Rank 0 scores the best model on the test split and writes results.json (a run that had finished
+        before this call reads them back instead); returns the run's summary."""
         if self.world_size > 1:
             dist.barrier()
         if not self.main:
             return None
+        results = self.dir / "results.json"
+        if already_finished and results.exists():
+            rows = read_rows(results)
+        else:
+            rows = self._test_rows()
+            write_rows(results, rows)
+        records = self._records()
+        return {"output_dir": str(self.dir), "experiment": self.config.experiment, "arm": rows[0]["arm"],
+                "seed": self.config.seed, "steps": self.step, "steps_per_epoch": self.steps_per_epoch,
+                "best_step": self.best["step"], "rows": rows,
+                "test": {r["metric"].removeprefix("test_"): r["value"] for r in rows if r["metric"].startswith("test_")},
+                "epochs": [r for r in records if r["kind"] == "epoch"],
+                "dev": [r for r in records if r["kind"] == "eval"],
+                "train_seconds": sum(r["seconds"] for r in records if r["kind"] == "step")}
+
+    def _test_rows(self) -> list[dict]:
+        """Result rows: the test metrics of best.pt, and its dev score."""
         final = {k: v.clone() for k, v in self.model.state_dict().items()}
         best = load_checkpoint(self.dir / "best.pt", self.device)
         self.model.load_state_dict(best["model"])
         test = self._evaluate("test")
         self.model.load_state_dict(final)
         config, experiment = self.config, self.experiment
-        arm = config.arm or config.sampler
 
         def row(metric, value):
-            return result_row(experiment=config.experiment, arm=arm, seed=config.seed, metric=metric, value=value,
-                              profile=config.profile, data=experiment.data_name, model=experiment.model_name)
+            return result_row(experiment=config.experiment, arm=config.arm or config.sampler, seed=config.seed,
+                              metric=metric, value=value, profile=config.profile, data=experiment.data_name,
+                              model=experiment.model_name)
 
-        rows = [row(f"test_{k}", v) for k, v in test.items()]
-        rows.append(row(f"dev_{experiment.dev_metric}", best["value"]))
-        write_rows(self.dir / "results.json", rows)
-        records = self._records()
-        return {"output_dir": str(self.dir), "experiment": config.experiment, "arm": arm, "seed": config.seed,
-                "steps": self.step, "steps_per_epoch": self.steps_per_epoch, "best_step": best["step"],
-                "test": test, "rows": rows,
-                "epochs": [r for r in records if r["kind"] == "epoch"],
-                "dev": [r for r in records if r["kind"] == "eval"],
-                "train_seconds": sum(r["seconds"] for r in records if r["kind"] == "step")}
+        return [row(f"test_{k}", v) for k, v in test.items()] + [row(f"dev_{experiment.dev_metric}", best["value"])]
 
 
 def train(config: TrainConfig, output_dir: str | Path) -> dict | None:

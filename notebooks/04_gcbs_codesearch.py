@@ -189,7 +189,9 @@ plt.show()
 #
 # Both re-embed the whole training set at each epoch start (forward passes only, eval mode); GCBS then builds
 # the similarity graph and its RCM order, mining a blockwise top-k. The random arm embeds only to log its loss
-# gap, which it does not need: its cost is the training steps alone.
+# gap, which it does not need: its cost is the training steps alone. (Runs in one process that start an epoch
+# from the same model, as every arm and seed does at epoch 0 from a pretrained encoder, share one embedding
+# computation; each arm is still charged its full time.)
 
 # %%
 def per_epoch(arm, key):

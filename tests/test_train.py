@@ -16,7 +16,7 @@ import torch
 
 from gcbs_lib.distributed import launch
 from gcbs_lib.experiments.codesearch import CodeSearch
-from gcbs_lib.train import (TrainConfig, TrainingDiverged, atomic_save, config_from_dict, load_checkpoint,
+from gcbs_lib.train import (TrainingDiverged, atomic_save, config_from_dict, load_checkpoint,
                             load_config, lr_factor, parse_overrides, train)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,9 +148,12 @@ def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterr
     assert json.loads((killed / "results.json").read_text()) == json.loads((whole / "results.json").read_text())
 
 
-def test_a_rerun_with_other_settings_is_refused(tmp_path, data_root):
+def test_a_finished_run_is_read_back_and_a_rerun_with_other_settings_is_refused(tmp_path, data_root):
     config = load_config("codesearch", "ci", settings(data_root, max_steps=2, log_loss_gap="false"))
-    train(config, tmp_path)
+    first = train(config, tmp_path)
+    log = (tmp_path / "metrics.jsonl").read_text()
+    assert train(config, tmp_path) == first and (tmp_path / "metrics.jsonl").read_text() == log
+    assert first["rows"] == json.loads((tmp_path / "results.json").read_text()) and first["steps"] == 2
     changed = load_config("codesearch", "ci", settings(data_root, max_steps=2, log_loss_gap="false", lr=0.1))
     with pytest.raises(ValueError, match="lr"):
         train(changed, tmp_path)
