@@ -83,3 +83,11 @@ def test_an_unreachable_hub_name_says_how_to_work_offline():
 def test_unknown_pooling_is_refused(minilm_path):
     with pytest.raises(ValueError, match="pooling must be one of"):
         HFEncoder(minilm_path, pooling="max")
+
+
+def test_poolings_other_than_cls_carry_no_unused_pooler_weights(minilm_path):
+    names = [n for n, _ in HFEncoder(minilm_path, pooling="mean").named_parameters()]
+    assert names and not any("pooler" in n for n in names)  # DDP would wait forever for their gradients
+    assert any("pooler" in n for n, _ in HFEncoder(minilm_path, pooling="cls").named_parameters())
+    with pytest.raises(ValueError, match="mean-pools"):
+        text_encoder("tiny", pooling="cls")
