@@ -21,7 +21,8 @@ Randomness. Every stream comes from `seeding.stream_seed(seed, epoch, purpose)`:
 GCBS relabelling and batch shuffle, mining, and dropout (reseeded at every step from the step number and
 rank), so a run is a function of its config and a resumed run of its checkpoint.
 
-Files in the output directory (rank 0 writes them):
+Files in the output directory (rank 0 writes them; on resume every rank reads checkpoint.pt, so several
+nodes need the directory on a shared filesystem):
   checkpoint.pt  the latest state, written atomically (temp file + os.replace) every `checkpoint_every`
                  steps and at the end: model, logit scale, optimizer, scheduler, step, epoch, the epoch's
                  materialised batches (a GCBS order depends on the model at epoch start, so it is restored,
