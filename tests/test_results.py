@@ -108,7 +108,8 @@ def test_collect_copies_a_runs_rows_with_their_provenance_and_the_readme_table_f
     committed, readme = tmp_path / "results", tmp_path / "README.md"
     readme.write_text(f"# Kit\n\n{results.README_START}\nstale\n{results.README_END}\n\nafter\n")
     rows = [row("random", 0, 0.5), row("gcbs", 0, 0.6)]
-    assert [p.name for p in collect(fake_run(tmp_path / "run", rows), committed)] == ["04_gcbs_codesearch.cpu.json"]
+    written, skipped = collect(fake_run(tmp_path / "run", rows), committed)
+    assert [p.name for p in written] == ["04_gcbs_codesearch.cpu.json"] and skipped == []
     assert read_rows(committed / "04_gcbs_codesearch.cpu.json") == rows
     table = committed_table(committed)
     assert "| codesearch | gcbs | test_mrr |" in table and "| abc1234 |" in table
@@ -119,6 +120,18 @@ def test_collect_copies_a_runs_rows_with_their_provenance_and_the_readme_table_f
     assert update_readme(readme, committed, check=True)
     text = readme.read_text()
     assert table in text and text.endswith(f"{results.README_END}\n\nafter\n")
+
+
+def test_collect_leaves_out_the_rows_of_a_notebook_that_failed(tmp_path):
+    run = fake_run(tmp_path / "run", [row("random", 0, 0.5)])
+    write_rows(run / "results" / "03_gcbs_sampling.json", [row("random", 0, 0.5, experiment="gcbs_sampling")])
+    record = json.loads((run / "run.json").read_text())
+    record["notebooks"]["03_gcbs_sampling"] = {"status": "failed", "seconds": 3.0}
+    (run / "run.json").write_text(json.dumps(record))
+    written, skipped = collect(run, tmp_path / "results")
+    assert [p.name for p in written] == ["04_gcbs_codesearch.cpu.json"]
+    assert skipped == ["03_gcbs_sampling.json: notebook 03_gcbs_sampling failed"]
+    assert not (tmp_path / "results" / "03_gcbs_sampling.cpu.json").exists()
 
 
 def test_collect_refuses_a_run_without_rows_and_rows_of_mixed_profiles(tmp_path):
