@@ -67,12 +67,15 @@ class SimCSE(Experiment):
     dev_metric = "spearman"
 
     # ---- data -------------------------------------------------------------------------------------------
+    @property
+    def root(self) -> Path:
+        return Path(self.options.data_root) if self.options.data_root else data_root()
+
     def load_data(self) -> TrainSet:
         o = self.options
-        root = Path(o.data_root) if o.data_root else data_root()
         if o.data not in ("standin", "paper"):
             raise ValueError(f"data must be 'standin' or 'paper', got {o.data!r}")
-        self.train, self.tasks = load_sentence_data(root, o.data, o.supervised)
+        self.train, self.tasks = load_sentence_data(self.root, o.data, o.supervised)
         self.train = [self.train[i] for i in _subset(len(self.train), o.train_limit, "train-subset")]
         self.tasks = {split: {name: _limit(task, o.eval_limit, f"{split}-{name}") for name, task in tasks.items()}
                       for split, tasks in self.tasks.items()}
@@ -90,8 +93,7 @@ class SimCSE(Experiment):
     # ---- model and steps --------------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
         o = self.options
-        name = str(tiny_bert(Path(o.data_root) if o.data_root else data_root())) if o.encoder == "tiny-bert" \
-            else o.encoder
+        name = str(tiny_bert(self.root)) if o.encoder == "tiny-bert" else o.encoder
         self.encoder = text_encoder(name, pooling=o.pooling, max_length=max(o.max_length, o.eval_max_length),
                                     dropout=o.dropout)
         return self.encoder
