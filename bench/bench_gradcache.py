@@ -299,7 +299,8 @@ def main(argv=None) -> None:
         """The section so far: rewritten after every row, so a stopped run leaves the rows it finished."""
         status = [] if done else ["**Incomplete run**: it stopped (or is still running) after the rows above.", ""]
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join([*header, *table1, "", *table2, "", *footnote, *status]))
+        tables = [*table1, *([""] if table1 and table2 else []), *table2, "", *(footnote if table2 else [])]
+        args.out.write_text("\n".join([*header, *tables, *status]))
         print((table2 or table1)[-1], file=sys.stderr, flush=True)
 
     if args.memory_batches:
