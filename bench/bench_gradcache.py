@@ -174,15 +174,7 @@ def probe_memory(probe: dict) -> int:
     make_step(probe["arm"], model, [rows(b, 2) for b in batches], min(probe["chunk"], 2))()
     step = make_step(probe["arm"], model, batches, probe["chunk"])
     torch.manual_seed(probe["seed"])
-    method = measure.memory_method(probe["device"])
-    if method != "cuda":
-        return {"vmhwm": measure._vmhwm_rise, "sampled_rss": measure._sampled_rss_rise}[method](step)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    return measure.memory_rise(step, measure.memory_method(probe["device"]))
 
 
 def memory_table(model, batches, args, clock, sync, lines: list[str], on_row: Callable[[], None]) -> None:

@@ -128,6 +128,22 @@ def _sampled_rss_rise(run) -> int:
     return max(peak, process.memory_info().rss) - baseline
 
 
+def memory_rise(run, method: str) -> int:
+    """Bytes `run()` needs above what was in memory before it, measured in this process by `method` (one of
+    `MEMORY_METHODS`; "vmhwm" and "sampled_rss" are only meaningful in a fresh process)."""
+    if method == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    rises = {"vmhwm": _vmhwm_rise, "sampled_rss": _sampled_rss_rise}
+    if method not in rises:
+        raise ValueError(f"unknown memory method {method!r}; use one of {list(MEMORY_METHODS)}")
+    return rises[method](run)
+
+
 def peak_step_memory(config: StepConfig, method: str | None = None) -> int:
     """Bytes a step needs above what was in memory before it, measured by `method` (default
     `memory_method(config.device)`; see `MEMORY_METHODS`)."""
@@ -136,13 +152,7 @@ def peak_step_memory(config: StepConfig, method: str | None = None) -> int:
         raise ValueError(f"method {method!r} does not measure device {config.device!r}; "
                          f"use one of {list(MEMORY_METHODS)} that does")
     if method == "cuda":
-        step = prepare_step(config)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
+        return memory_rise(prepare_step(config), method)
     result = subprocess.run([sys.executable, "-m", "gcbs_lib.measure", json.dumps(asdict(config)), method],
                             capture_output=True, text=True, timeout=600)
     if result.returncode:
@@ -169,4 +179,4 @@ if __name__ == "__main__":  # the fresh process behind peak_step_memory on CPU
     config, method = StepConfig(**json.loads(sys.argv[1])), sys.argv[2]
     run = prepare_step(config)
     prepare_step(StepConfig(**{**asdict(config), "batch_size": 2}))()  # warm up lazy initialisation
-    print({"vmhwm": _vmhwm_rise, "sampled_rss": _sampled_rss_rise}[method](run))
+    print(memory_rise(run, method))

@@ -43,7 +43,7 @@ from gcbs_lib.distributed import gather_with_grad, gradient_rank_difference, ran
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, register
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import mil_nce
-from gcbs_lib.measure import _sampled_rss_rise, _vmhwm_rise, memory_method
+from gcbs_lib.measure import memory_method, memory_rise
 from gcbs_lib.metrics import median_rank, recall_at, retrieval_ranks
 from gcbs_lib.models import PAD_ID, HashingTokenizer
 from gcbs_lib.seeding import generator, stream_seed
@@ -353,22 +353,13 @@ def loss_peak_memory(settings: list[dict], device: str = "cpu") -> list[int]:
         if result.returncode:
             raise RuntimeError(f"memory probe failed:\n{result.stderr}")
         return json.loads(result.stdout.splitlines()[-1])
-    peaks = []
-    for setting in settings:
-        step = _loss_step(setting, device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - before)
-    return peaks
+    return [memory_rise(_loss_step(setting, device), "cuda") for setting in settings]
 
 
 def _cpu_peaks(settings: list[dict]) -> list[int]:
     """Each setting's peak in this process, memory freed by the previous one handed back to the system first
     (glibc's `malloc_trim`), so a step cannot reuse pages already resident."""
-    rise = _vmhwm_rise if memory_method("cpu") == "vmhwm" else _sampled_rss_rise
+    method = memory_method("cpu")
     trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
     _loss_step({"clips": 4, "bag_size": 2, "dim": 4, "chunk_size": 2, "direction": "both"}, "cpu")()  # warm up
     peaks = []
@@ -376,7 +367,7 @@ def _cpu_peaks(settings: list[dict]) -> list[int]:
         step = _loss_step(setting, "cpu")
         gc.collect()
         trim(0)
-        peaks.append(rise(step))
+        peaks.append(memory_rise(step, method))
     return peaks
 
 
