@@ -35,7 +35,7 @@ lab: $(STAMP)  ## open JupyterLab in notebooks/ with the venv's kernel (.py file
 test: unit nbval sync-check  ## pytest (unit, multi-process, papermill smoke), nbval, jupytext drift check
 
 unit: $(STAMP)  ## pytest only
-	$(BIN)/pytest tests
+	$(BIN)/pytest tests --durations=15
 
 nbval: $(STAMP)  ## re-run the notebooks and compare their NBVAL_CHECK_OUTPUT cells
 	$(BIN)/pytest $(NBVAL) $(NOTEBOOKS)
