@@ -325,8 +325,8 @@ print("top-k share, GCBS / random:", {q: round(r, 1) for q, r in share_ratio.ite
 # grad), **similarity** (the pass over $S$ in row blocks: the exact quantile and the candidate edges),
 # **graph** (the candidates above the threshold into a sparse matrix) and **RCM**. The pass costs $O(N^2 d)$;
 # the graph and RCM are linear in the number of edges, $(1-q)N^2$. One small run first, so that no stage's
-# one-time set-up lands in the first measurement. `bench/bench_gcbs.py` times $N$ up to 30k and the published
-# implementation.
+# one-time set-up lands in the first measurement. `bench/bench_gcbs.py` times $N$ up to 200k against the
+# floor (one matmul pass over $S$) and the published implementation.
 
 # %%
 encoder = torch.nn.Linear(dim, dim)
