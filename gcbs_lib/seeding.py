@@ -23,3 +23,11 @@ def stream_seed(seed: int, epoch: int, purpose: str) -> int:
 def generator(seed: int, epoch: int, purpose: str) -> torch.Generator:
     """A CPU `torch.Generator` seeded for the stream (seed, epoch, purpose)."""
     return torch.Generator().manual_seed(stream_seed(seed, epoch, purpose))
+
+
+def fixed_subset(n: int, limit: int | None, purpose: str) -> list[int]:
+    """All of range(n), or a fixed random subset of `limit` of them in index order: the same for every run seed,
+    so every seed and arm trains and evaluates on the same items."""
+    if limit is None or limit >= n:
+        return list(range(n))
+    return sorted(torch.randperm(n, generator=generator(0, 0, purpose))[:limit].tolist())

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gcbs_lib.seeding import generator, stream_seed
+from gcbs_lib.seeding import fixed_subset, generator, stream_seed
 
 
 def test_a_stream_seed_is_reproducible():
@@ -27,3 +27,13 @@ def test_generators_of_different_streams_draw_differently():
 def test_a_stream_needs_a_purpose():
     with pytest.raises(ValueError, match="purpose"):
         stream_seed(0, 0, "")
+
+
+def test_a_fixed_subset_is_the_same_for_every_call_and_sorted():
+    assert fixed_subset(100, 10, "train-subset") == fixed_subset(100, 10, "train-subset")
+    assert fixed_subset(100, 10, "train-subset") == sorted(set(fixed_subset(100, 10, "train-subset")))
+    assert len(fixed_subset(100, 10, "train-subset")) == 10
+
+
+def test_no_limit_or_a_limit_beyond_the_size_keeps_everything():
+    assert fixed_subset(5, None, "x") == fixed_subset(5, 9, "x") == [0, 1, 2, 3, 4]

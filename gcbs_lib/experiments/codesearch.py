@@ -27,7 +27,7 @@ from gcbs_lib.distributed import gather_with_grad, rank_info_nce
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, register, to_device
 from gcbs_lib.metrics import mrr, recall_at, retrieval_ranks
 from gcbs_lib.models import text_encoder
-from gcbs_lib.seeding import generator
+from gcbs_lib.seeding import fixed_subset
 
 # data name → (train file, {split: (query file, pool file or None)}) relative to <data_root>/codesearch
 REAL_DATA = {
@@ -94,7 +94,7 @@ class CodeSearch(Experiment):
         else:
             raise ValueError(f"data must be one of {sorted(STANDINS) + sorted(REAL_DATA)}, got {o.data!r}")
         pairs = load(train_file)
-        self.train = [pairs[i] for i in _subset(len(pairs), o.train_limit, "train-subset")]
+        self.train = [pairs[i] for i in fixed_subset(len(pairs), o.train_limit, "train-subset")]
         self._tasks = {}
         return TrainSet(len(self.train), duplicate_groups(self.train))
 
@@ -142,7 +142,7 @@ class CodeSearch(Experiment):
         if split not in self._tasks:
             queries, pool = self.splits[split]
             task = retrieval_task(queries, pool)
-            keep = _subset(len(task.queries), self.options.eval_limit, f"{split}-subset")
+            keep = fixed_subset(len(task.queries), self.options.eval_limit, f"{split}-subset")
             self._tasks[split] = task._replace(queries=[task.queries[i] for i in keep], positive=task.positive[keep])
         return self._tasks[split]
 
@@ -158,13 +158,6 @@ class CodeSearch(Experiment):
                                 self._embed(model, task.codes, self._codes), task.positive)
         return {"mrr": mrr(ranks, cutoff=self.options.mrr_cutoff), "recall@1": recall_at(ranks, 1),
                 "recall@10": recall_at(ranks, 10)}
-
-
-def _subset(n: int, limit: int | None, purpose: str) -> list[int]:
-    """All of range(n), or a fixed random subset of `limit` of them in index order (the same for every seed)."""
-    if limit is None or limit >= n:
-        return list(range(n))
-    return sorted(torch.randperm(n, generator=generator(0, 0, purpose))[:limit].tolist())
 
 
 def duplicate_groups(pairs: list[dict]) -> list[int]:

@@ -39,7 +39,7 @@ from gcbs_lib.distributed import gather_with_grad, rank_info_nce
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, register, to_device
 from gcbs_lib.metrics import spearman
 from gcbs_lib.models import text_encoder
-from gcbs_lib.seeding import generator
+from gcbs_lib.seeding import fixed_subset, generator
 
 MODEL_NAMES = {"minilm": "all-MiniLM-L6-v2"}
 TINY_BERT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
@@ -76,7 +76,7 @@ class SimCSE(Experiment):
         if o.data not in ("standin", "paper"):
             raise ValueError(f"data must be 'standin' or 'paper', got {o.data!r}")
         self.train, self.tasks = load_sentence_data(self.root, o.data, o.supervised)
-        self.train = [self.train[i] for i in _subset(len(self.train), o.train_limit, "train-subset")]
+        self.train = [self.train[i] for i in fixed_subset(len(self.train), o.train_limit, "train-subset")]
         self.tasks = {split: {name: _limit(task, o.eval_limit, f"{split}-{name}") for name, task in tasks.items()}
                       for split, tasks in self.tasks.items()}
         anchors = [item if isinstance(item, str) else item[0] for item in self.train]
@@ -211,15 +211,8 @@ def tiny_bert(root: Path) -> Path:
     return folder
 
 
-def _subset(n: int, limit: int | None, purpose: str) -> list[int]:
-    """All of range(n), or a fixed random subset of `limit` of them in index order (the same for every seed)."""
-    if limit is None or limit >= n:
-        return list(range(n))
-    return sorted(torch.randperm(n, generator=generator(0, 0, purpose))[:limit].tolist())
-
-
 def _limit(task, limit: int | None, purpose: str):
     """A task's (first texts, second texts, scores), cut to a fixed random subset of `limit` pairs."""
     first, second, gold = task
-    keep = _subset(len(gold), limit, purpose)
+    keep = fixed_subset(len(gold), limit, purpose)
     return [first[i] for i in keep], [second[i] for i in keep], [float(gold[i]) for i in keep]
