@@ -109,6 +109,20 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     return _GatherWithGrad.apply(x)
 
 
+def gather_ragged(rows: torch.Tensor) -> torch.Tensor:
+    """`gather_with_grad` for ranks holding different numbers of rows: pad to the longest, gather, drop the
+    padding (its gradient is zero). Identity when not distributed."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        return rows
+    counts = [torch.zeros(1, dtype=torch.long, device=rows.device) for _ in range(world_size)]
+    dist.all_gather(counts, torch.tensor([rows.shape[0]], device=rows.device))
+    counts = [int(c) for c in counts]
+    padded = F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, max(counts) - rows.shape[0]))
+    keep = torch.cat([torch.arange(c, device=rows.device) + r * max(counts) for r, c in enumerate(counts)])
+    return gather_with_grad(padded)[keep]
+
+
 def gather_multi_vector(vectors: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather ColBERT-style outputs `(vectors [B, L, D], mask [B, L])` whose token length L differs across ranks:
     pad both to the longest L (padded tokens masked out), then `gather_with_grad` them."""

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gcbs_lib.data import data_root
 from gcbs_lib.data.howto100m import (MIN_TIME, FeatureStore, PlantedConfig, build_bags, caption_path, clip_features,
                                      open_cache, read_captions, read_video_list, write_cache, write_planted)
-from gcbs_lib.distributed import gather_with_grad, gradient_rank_difference, rank_and_world_size
+from gcbs_lib.distributed import gather_ragged, gather_with_grad, gradient_rank_difference, rank_and_world_size
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, register
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import mil_nce
@@ -112,20 +112,6 @@ class MilNceModel(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ gathering
-
-def gather_ragged(rows: torch.Tensor) -> torch.Tensor:
-    """`gather_with_grad` for ranks holding different numbers of rows: pad to the longest, gather, drop the
-    padding (its gradient is zero). Identity when not distributed."""
-    _, world_size = rank_and_world_size()
-    if world_size == 1:
-        return rows
-    counts = [torch.zeros(1, dtype=torch.long, device=rows.device) for _ in range(world_size)]
-    dist.all_gather(counts, torch.tensor([rows.shape[0]], device=rows.device))
-    counts = [int(c) for c in counts]
-    padded = F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, max(counts) - rows.shape[0]))
-    keep = torch.cat([torch.arange(c, device=rows.device) + r * max(counts) for r, c in enumerate(counts)])
-    return gather_with_grad(padded)[keep]
-
 
 def _positions(ids: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
     """Position of each id in the sorted `known`; -1 for padding and ids not there."""
