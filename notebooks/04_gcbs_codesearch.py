@@ -56,6 +56,7 @@ output_dir = ""                   # empty: a fresh temporary folder; an earlier 
 
 # %%
 import math
+import statistics
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -64,6 +65,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from gcbs_lib import experiments
+from gcbs_lib.arms import mean_over_seeds
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.distributed import launch
 from gcbs_lib.results import record
@@ -151,9 +153,7 @@ for (arm, s), config in configs.items():  # seed-major: a partial run still comp
 
 # %%
 def mean_sd(values):
-    mean = sum(values) / len(values)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return mean, sd
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 test_mrr = {arm: [summaries[arm, s]["test"]["mrr"] for s in seeds] for arm in arms}
@@ -170,16 +170,13 @@ print("paper (UniXcoder, GCBS − random): +1.0 CosQA, +2.0 AdvTest, +2.2 CodeSe
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
 for arm in arms:
-    curve = {}
-    for s in seeds:
-        for point in summaries[arm, s]["dev"]:
-            curve.setdefault(point["step"], []).append(point["mrr"])
-    left.plot(list(curve), [sum(v) / len(v) for v in curve.values()], marker="o", label=arm)
-    gaps = [[e["loss_gap"] for e in summaries[arm, s]["epochs"]] for s in seeds]
-    right.plot(range(len(gaps[0])), [sum(g) / len(g) for g in zip(*gaps)], marker="o", label=arm)
+    steps = [point["step"] for point in summaries[arm, seeds[0]]["dev"]]
+    left.plot(steps, mean_over_seeds(summaries, arm, "dev", "mrr"), marker="o", label=arm)
+    gaps = mean_over_seeds(summaries, arm, "epochs", "loss_gap")
+    right.plot(range(len(gaps)), gaps, marker="o", label=arm)
 left.set(xlabel="step", ylabel="dev MRR (mean over seeds)", title="dev MRR")
 right.set(xlabel="epoch", ylabel="L_Global − L_Train", title="loss gap of the batches trained on")
-right.set_xticks(range(len(gaps[0])))
+right.set_xticks(range(len(gaps)))
 left.legend()
 plt.tight_layout()
 plt.show()
