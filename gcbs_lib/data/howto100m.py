@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gcbs_lib.data import PlainUnpickler
+
 FPS = {"2d": 1.0, "3d": 1.5}  # feature rows per second of each stream
 FEATURE_DIM = 2048
 MIN_TIME = 5.0  # the MIL-NCE loader widens shorter clip windows to this many seconds
@@ -41,24 +43,6 @@ Captions = dict[str, dict[str, list]]
 
 
 # ------------------------------------------------------------------------------------------------ captions
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain containers, numbers, strings and numpy arrays only; any other class or function is refused.
-
-    Unpickling otherwise runs whatever code the file names; the published caption.pickle holds only these types.
-    """
-
-    ALLOWED = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "str", "bytes", "int", "float",
-                                          "complex", "bool")}
-    ALLOWED |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray") for n in ("_reconstruct", "scalar")}
-    ALLOWED |= {("numpy", "ndarray"), ("numpy", "dtype")}
-
-    def find_class(self, module: str, name: str):
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"caption pickle refers to {module}.{name}; only plain containers, numbers, "
-                                         f"strings and numpy arrays are read (unpickling could run its code)")
-        return super().find_class(module, name)
-
 
 def _read_csv_captions(path: Path) -> dict[str, list]:
     with open(path, newline="", encoding="utf-8") as handle:
@@ -95,7 +79,7 @@ def read_captions(path: str | Path) -> Captions:
         raw = json.loads(path.read_text(encoding="utf-8"))
     elif path.suffix in (".pickle", ".pkl"):
         with open(path, "rb") as handle:
-            raw = _PlainUnpickler(handle).load()
+            raw = PlainUnpickler(handle).load()
     else:
         raise ValueError(f"{path}: expected caption.json, caption.pickle or a directory of <video_id>.csv")
     if not isinstance(raw, Mapping):

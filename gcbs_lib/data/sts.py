@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import bz2
 import csv
-import glob
 import hashlib
 import re
-import subprocess
-import sys
 import xml.etree.ElementTree as ElementTree
 import zipfile
 from pathlib import Path
 
-from gcbs_lib.data import build_once, data_root
+from gcbs_lib.data import build_once, data_root, pip_wheel
 
 STS_YEARS = {  # SentEval's sub-datasets per year (STS13's SMT part is not distributed)
     "STS12": ("MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"),
@@ -200,16 +197,7 @@ def load_standin(name: str, root: str | Path | None = None) -> Triple:
 
 def _download_wheel(folder: Path) -> Path:
     """A gensim 4.4.0 wheel in `folder`, fetched with pip when none is there yet."""
-    pattern = str(folder / "gensim-4.4.0-*.whl")
-    if not glob.glob(pattern):
-        command = [sys.executable, "-m", "pip", "download", GENSIM_WHEEL, "--no-deps", "--only-binary", ":all:",
-                   "--quiet", "-d", str(folder)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0 or not glob.glob(pattern):
-            raise RuntimeError(f"could not fetch the {GENSIM_WHEEL} wheel with `{' '.join(command)}`:\n"
-                               f"{result.stderr.strip()}\nDownload any gensim-4.4.0 wheel where PyPI is reachable "
-                               f"and place it in {folder}")
-    return Path(sorted(glob.glob(pattern))[0])
+    return pip_wheel(GENSIM_WHEEL, folder)
 
 
 def _wheel_members(wheel: Path) -> dict[str, bytes]:
