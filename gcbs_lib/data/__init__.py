@@ -164,6 +164,7 @@ class PlainUnpickler(pickle.Unpickler):
                                           "complex", "bool")}
     ALLOWED |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray") for n in ("_reconstruct", "scalar")}
     ALLOWED |= {("numpy", "ndarray"), ("numpy", "dtype")}
+    ALLOWED |= {("_codecs", "encode")}  # how protocol-2 pickles written by Python 3 store bytes
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
