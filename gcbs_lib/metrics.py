@@ -1,4 +1,4 @@
-"""Retrieval and correlation metrics: ranks, MRR, R@K, median rank, Spearman.
+"""Retrieval, correlation and representation metrics: ranks, MRR, R@K, median rank, Spearman, kNN accuracy.
 
 Retrieval. Each query q has one matching candidate, the column `positive[q]` of a score matrix `[Q, N]`
 (higher = more similar). Its rank is 1 + the number of OTHER candidates scoring at least as high: a candidate
@@ -14,6 +14,9 @@ it scores a block of queries against the whole pool at a time.
 
 Correlation. Spearman's rho is Pearson's correlation of the two rank vectors, tied values sharing the average
 of the ranks they span (as `scipy.stats.spearmanr` does). STS benchmarks report it against human scores.
+
+Representations. `knn_accuracy` is the weighted k-nearest-neighbour monitor of the MoCo CIFAR demo: each test
+feature votes among its k most cosine-similar training features, each neighbour adding e^{cos/τ} to its class.
 """
 from __future__ import annotations
 
@@ -162,3 +165,36 @@ def _as_array(values, name: str) -> np.ndarray:
         return np.array(values, dtype=np.float64)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{name} must be numeric: {error}") from None
+
+
+# ------------------------------------------------------------------------------------------- representations
+
+def knn_accuracy(features: torch.Tensor, labels: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor,
+                 k: int = 200, temperature: float = 0.1, block_size: int | None = None) -> float:
+    """Share of `features` [Q, D] whose weighted kNN vote over `bank` [N, D] gives their `labels` [Q].
+
+    Features are L2-normalised here, so similarities are cosines. Query q takes its k most similar bank rows
+    (among equal similarities, the lower bank index first), each adds exp(cos/temperature) to the score of its
+    label in `bank_labels` [N], and the predicted class is the highest-scoring one (on a tie, the smallest
+    label). k=200, temperature=0.1 as in the MoCo CIFAR-10 demo. `block_size` queries are scored at a time.
+    """
+    if features.dim() != 2 or bank.dim() != 2 or features.shape[1] != bank.shape[1]:
+        raise ValueError(f"features [Q, D] and bank [N, D] must share D, got {tuple(features.shape)} and "
+                         f"{tuple(bank.shape)}")
+    if labels.shape != (len(features),) or bank_labels.shape != (len(bank),):
+        raise ValueError("labels and bank_labels need one entry per row of features and bank")
+    if not 1 <= k <= len(bank):
+        raise ValueError(f"k must lie in 1..{len(bank)} (the bank's rows), got {k}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    features, bank = torch.nn.functional.normalize(features, dim=1), torch.nn.functional.normalize(bank, dim=1)
+    classes = int(max(labels.max(), bank_labels.max())) + 1 if len(labels) else 1
+    block_size = block_size or max(1, BLOCK_ELEMENTS // len(bank))
+    correct = 0
+    for start in range(0, len(features), block_size):
+        similarity = features[start:start + block_size] @ bank.T
+        top, index = similarity.sort(dim=1, descending=True, stable=True)
+        votes = torch.zeros(len(similarity), classes, dtype=similarity.dtype, device=similarity.device)
+        votes.scatter_add_(1, bank_labels[index[:, :k]], (top[:, :k] / temperature).exp())
+        correct += (votes.argmax(dim=1) == labels[start:start + block_size]).sum().item()
+    return correct / max(1, len(features))

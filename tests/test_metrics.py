@@ -4,7 +4,7 @@ import pytest
 import scipy.stats
 import torch
 
-from gcbs_lib.metrics import median_rank, mrr, ranks, recall_at, retrieval_ranks, spearman
+from gcbs_lib.metrics import knn_accuracy, median_rank, mrr, ranks, recall_at, retrieval_ranks, spearman
 
 
 def test_rank_counts_candidates_scoring_higher_plus_one():
@@ -120,3 +120,38 @@ def test_spearman_equals_scipy_including_ties(seed):
 def test_spearman_refuses_bad_input(x, y, message):
     with pytest.raises(ValueError, match=message):
         spearman(x, y)
+
+
+def knn_label(query, bank, bank_labels, k, temperature=1.0):
+    """The class `knn_accuracy` predicts for one query: the label it scores as correct."""
+    hits = [c for c in range(4) if knn_accuracy(torch.tensor([query]), torch.tensor([c]), torch.tensor(bank),
+                                                torch.tensor(bank_labels), k=k, temperature=temperature) == 1.0]
+    assert len(hits) == 1
+    return hits[0]
+
+
+def test_knn_votes_weigh_each_neighbour_by_exp_cosine_over_tau():
+    bank, labels = [[1.0, 0.0], [0.0, 1.0], [0.0, 2.0]], [0, 1, 1]
+    # class 0: e^(1/τ); class 1: 2·e^0. τ=0.1: 22026 vs 2 -> 0; τ=100: 1.01 vs 2 -> the majority, 1
+    assert knn_label([3.0, 0.0], bank, labels, k=3, temperature=0.1) == 0
+    assert knn_label([3.0, 0.0], bank, labels, k=3, temperature=100.0) == 1
+
+
+def test_knn_ties_take_the_lower_bank_index_then_the_smaller_class():
+    bank, labels = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [-1.0, 0.0]], [2, 1, 1, 0]
+    assert knn_label([1.0, 0.0], bank, labels, k=1) == 2          # rows 0 and 2 tie at cos 1: row 0 first
+    assert knn_label([1.0, 0.0], bank, labels, k=2) == 1          # e^1 for class 2 and for class 1: smaller class
+    assert knn_label([1.0, 0.0], bank, labels, k=3) == 1          # row 1 (cos 0) adds e^0 to class 1
+
+
+def test_knn_accuracy_counts_correct_queries_in_blocks():
+    torch.manual_seed(0)
+    bank = torch.randn(50, 8)
+    bank_labels = torch.randint(0, 3, (50,))
+    queries = bank[:20] + 0.01 * torch.randn(20, 8)
+    whole = knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=1)
+    assert whole == 1.0 and knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=1, block_size=3) == 1.0
+    shuffled = knn_accuracy(queries, (bank_labels[:20] + 1) % 3, bank, bank_labels, k=1, block_size=7)
+    assert shuffled == 0.0
+    with pytest.raises(ValueError, match="k must lie in 1..50"):
+        knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=51)
