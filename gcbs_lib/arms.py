@@ -1,33 +1,58 @@
 """Arms compared in one run on the same seeds (random vs GCBS batches): train them, average them, tabulate them.
 
-`run_arms` trains one `gcbs_lib.train` run per (arm, seed), each in its own folder, so a finished run is loaded
-from its checkpoint instead of retrained (the same arguments resume). `mean_over_seeds` averages a logged
-quantity (dev scores, epoch loss gaps) across seeds, and `arms_table` prints the test rows as the kit's
-results table (mean ± sd over seeds, Δ against the "random" arm paired by seed) next to the paper's Δ, and
-`first_gap_no_larger` checks that an arm's first batches were no easier than the baseline's.
+`arm_configs` gives every (arm, seed) its training config, seed-major, and `run_arms` trains one
+`gcbs_lib.train` run per config, each in its own folder (in this process, or on `nproc` ranks with torchrun), so
+a finished run is loaded from its checkpoint instead of retrained (the same arguments resume). `rows_of`
+collects every run's result rows, `mean_over_seeds` averages a logged quantity (dev scores, epoch loss gaps)
+across seeds, and `arms_table` prints the test rows as the kit's results table (mean ± sd over seeds, Δ against
+the "random" arm paired by seed) next to the paper's Δ, and `first_gap_no_larger` checks that an arm's first
+batches were no easier than the baseline's.
 """
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
-from gcbs_lib.results import build_table, to_markdown
-from gcbs_lib.train import load_config, train
+from gcbs_lib.distributed import launch
+from gcbs_lib.results import TableLine, build_table, to_markdown
+from gcbs_lib.train import TrainConfig, load_config, train
+
+LAUNCH_TIMEOUT = 24 * 3600.0  # seconds one torchrun run may take before it is stopped
+
+
+def arm_configs(experiment: str, profile: str, arms: Sequence[str], seeds: Sequence[int],
+                overrides: dict | None = None) -> dict[tuple[str, int], TrainConfig]:
+    """`{(arm, seed): config}`: the profile plus `overrides`, with the arm as sampler and the seed; seed-major, so
+    runs taken in this order compare every arm on each seed they finish."""
+    return {(arm, seed): load_config(experiment, profile, {**(overrides or {}), "sampler": arm, "seed": seed})
+            for seed in seeds for arm in arms}
 
 
 def run_arms(experiment: str, profile: str, arms: Sequence[str], seeds: Sequence[int], folder: str | Path,
-             overrides: dict | None = None) -> dict[tuple[str, int], dict]:
-    """`{(arm, seed): summary}` of `train` for every arm (a sampler name) on every seed, run in
-    `folder/<arm>-seed<seed>`; prints one line per run."""
+             overrides: dict | None = None, *, nproc: int = 1, backend: str = "gloo") -> dict[tuple[str, int], dict]:
+    """`{(arm, seed): summary}` of `train` for each of `arm_configs`, in that order, run in
+    `folder/<arm>-seed<seed>`: in this process, or with `nproc` > 1 on that many ranks of `backend` through
+    torchrun (rank 0's summary comes back). Prints one line per run."""
     summaries = {}
-    for arm in arms:
-        for seed in seeds:
-            config = load_config(experiment, profile, {**(overrides or {}), "sampler": arm, "seed": seed})
-            summary = summaries[arm, seed] = train(config, Path(folder) / f"{arm}-seed{seed}")
-            print(f"{arm:>7} seed {seed}: {summary['steps']} steps, best dev at step {summary['best_step']}, "
-                  + ", ".join(f"test {k} {v:.4f}" for k, v in list(summary["test"].items())[:1]))
+    width = max(map(len, arms))
+    for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
+        output_dir = Path(folder) / f"{arm}-seed{seed}"
+        if nproc == 1:
+            summary = train(config, output_dir)
+        else:
+            summary = launch("gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False,
+                             args={"config": asdict(config), "output_dir": str(output_dir)}, timeout=LAUNCH_TIMEOUT)
+        summaries[arm, seed] = summary
+        print(f"{arm:>{width}} seed {seed}: {summary['steps']} steps, best dev at step {summary['best_step']}, "
+              + ", ".join(f"test {k} {v:.4f}" for k, v in list(summary["test"].items())[:1]))
     return summaries
+
+
+def rows_of(summaries: dict) -> list[dict]:
+    """Every run's result rows, run after run."""
+    return [row for summary in summaries.values() for row in summary["rows"]]
 
 
 def mean_over_seeds(summaries: dict, arm: str, records: str, key: str) -> list[float]:
@@ -37,20 +62,20 @@ def mean_over_seeds(summaries: dict, arm: str, records: str, key: str) -> list[f
 
 
 def arms_table(summaries: dict, metric: str, paper_delta: float, paper: str,
-               stand_in: str = "not the paper's data") -> dict[str, float]:
+               stand_in: str = "not the paper's data") -> dict[str, TableLine]:
     """Print the markdown table of every run's test rows and the measured Δ of `metric` next to the paper's;
-    return each non-baseline arm's Δ per test metric (keys "arm/metric"). `stand_in` says, under the table's
-    data line, what a stand-in is not."""
-    rows = [row for summary in summaries.values() for row in summary["rows"]]
+    return each non-baseline arm's table line per test metric (keys "arm/metric"; `.delta` ± `.delta_sd` over
+    the seeds it shares with the baseline). `stand_in` says, under the table's data line, what a stand-in is not."""
+    rows = rows_of(summaries)
     lines = [line for line in build_table([(rows, "")]) if line.metric.startswith("test_")]
     data = rows[0]["data"]
     if data != "paper":
         print(f"data: {data}, a stand-in, {stand_in}: compare its Δ with the paper's, never its scores\n")
     print(to_markdown(lines))
-    deltas = {f"{line.arm}/{line.metric}": line.delta for line in lines if line.delta is not None}
-    for key, value in deltas.items():
+    deltas = {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
+    for key, line in deltas.items():
         if key.endswith("/" + metric):
-            print(f"measured Δ {key}: {value:+.4f}   paper: {paper_delta:+.4f} ({paper})")
+            print(f"measured Δ {key}: {line.delta:+.4f}   paper: {paper_delta:+.4f} ({paper})")
     return deltas
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from gcbs_lib.arms import arms_table, first_gap_no_larger, mean_over_seeds, run_arms
+from gcbs_lib.arms import arms_table, first_gap_no_larger, mean_over_seeds, rows_of, run_arms
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
@@ -164,7 +164,7 @@ plt.show()
 # Every run's rows (`gcbs_lib.results`); the committed `cpu` rows are in `results/06_gcbs_promcse.cpu.json`.
 
 # %%
-rows = [row for summary in summaries.values() for row in summary["rows"]]
+rows = rows_of(summaries)
 data_name = rows[0]["data"]
 record(rows, "06_gcbs_promcse")
 print(f"{len(rows)} rows, metrics: {sorted({r['metric'] for r in rows})}")

@@ -1,4 +1,7 @@
 """Shared fixtures for the test suite."""
+import json
+import random
+
 import pytest
 import torch
 
@@ -10,3 +13,30 @@ def float64_default():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+WORDS = [f"w{i}" for i in range(120)]
+
+
+def planted_pair(rng: random.Random, i: int, split: str) -> dict:
+    """A docstring and a function sharing four topic words, so a bag-of-words encoder can learn to match them."""
+    topic = rng.sample(WORDS, 4)
+    doc = topic + rng.sample(WORDS, 2)
+    code = ["def", f"f{i}", "(", "x", ")", ":", "return", *topic, *rng.sample(WORDS, 3)]
+    return {"url": f"planted/{split}/{i}", "docstring_tokens": doc, "code_tokens": code}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """Planted train/valid/test/codebase files where CodeSearchNet python lives under a data root."""
+    root = tmp_path_factory.mktemp("data")
+    folder = root / "codesearch" / "CSN" / "python"
+    folder.mkdir(parents=True)
+    rng = random.Random(0)
+    splits = {split: [planted_pair(rng, i, split) for i in range(n)]
+              for split, n in (("train", 192), ("valid", 48), ("test", 48))}
+    splits["train"][5]["docstring_tokens"] = splits["train"][4]["docstring_tokens"]  # a duplicate query
+    for split, rows in splits.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "codebase.jsonl").write_text("".join(json.dumps(r) + "\n" for r in splits["valid"] + splits["test"]))
+    return root

@@ -1,7 +1,12 @@
-"""Specification of the arms comparison helpers on hand-made run summaries."""
+"""Specification of the arms comparison: one config per (arm, seed), seed-major; runs in this process or on
+gloo ranks through torchrun (the tiny code-search encoder on planted pairs, `data_root` in conftest); and the
+helpers on hand-made run summaries."""
 import pytest
+import torch
 
-from gcbs_lib.arms import arms_table, first_gap_no_larger, mean_over_seeds
+from gcbs_lib.arms import arm_configs, arms_table, first_gap_no_larger, mean_over_seeds, rows_of, run_arms
+from gcbs_lib.distributed import LaunchError
+from gcbs_lib.train import load_checkpoint
 
 
 def summary(arm, seed, test, gaps, dev):
@@ -16,14 +21,49 @@ SUMMARIES = {("random", 0): summary("random", 0, 0.50, [1.0, 0.9], [0.1, 0.3]),
              ("gcbs", 1): summary("gcbs", 1, 0.42, [1.2, 1.0], [0.2, 0.6])}
 
 
+def test_arm_configs_are_seed_major_and_differ_only_in_sampler_and_seed():
+    configs = arm_configs("codesearch", "ci", ["random", "gcbs"], [3, 4], {"lr": 0.5})
+    assert list(configs) == [("random", 3), ("gcbs", 3), ("random", 4), ("gcbs", 4)]
+    assert all((c.sampler, c.seed, c.lr) == (arm, seed, 0.5) for (arm, seed), c in configs.items())
+
+
+def tiny(data_root, **overrides):
+    """Two float64 steps without dropout on the planted pairs: one rank and two ranks agree to rounding."""
+    return {"data": "csn", "data_root": str(data_root), "batch_size": 16, "epochs": 1, "max_steps": 2, "lr": 1e-3,
+            "query_length": 16, "code_length": 24, "tiny_dim": 16, "tiny_layers": 1, "embed_batch_size": 64,
+            "dropout": 0.0, "dtype": "float64", "progress": False, **overrides}
+
+
+def test_with_nproc_2_each_run_trains_on_two_gloo_ranks_the_model_of_one_process(tmp_path, data_root):
+    one = run_arms("codesearch", "ci", ["gcbs"], [0], tmp_path / "one", tiny(data_root))
+    two = run_arms("codesearch", "ci", ["gcbs"], [0], tmp_path / "two", tiny(data_root), nproc=2, backend="gloo")
+    assert list(two) == [("gcbs", 0)] and two["gcbs", 0]["steps"] == one["gcbs", 0]["steps"] == 2
+    a, b = (load_checkpoint(tmp_path / run / "gcbs-seed0" / "checkpoint.pt")["model"] for run in ("one", "two"))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-9, atol=1e-11)
+    assert two["gcbs", 0]["test"] == pytest.approx(one["gcbs", 0]["test"], abs=1e-9)
+    assert rows_of(two) == [{**row, "value": pytest.approx(row["value"], abs=1e-9)} for row in rows_of(one)]
+
+
+def test_a_run_that_fails_on_its_ranks_raises_with_the_ranks_error(tmp_path, data_root):
+    with pytest.raises(LaunchError, match="batch_size 15 does not divide over 2 ranks"):
+        run_arms("codesearch", "ci", ["random"], [0], tmp_path, tiny(data_root, batch_size=15), nproc=2)
+
+
+def test_rows_of_lists_every_runs_rows_run_after_run():
+    assert rows_of(SUMMARIES) == [SUMMARIES[key]["rows"][0] for key in SUMMARIES]
+
+
 def test_mean_over_seeds_averages_each_logged_point_across_seeds():
     assert mean_over_seeds(SUMMARIES, "random", "epochs", "loss_gap") == pytest.approx([1.1, 1.0])
     assert mean_over_seeds(SUMMARIES, "gcbs", "dev", "spearman") == pytest.approx([0.2, 0.5])
 
 
 def test_arms_table_pairs_each_arm_with_random_by_seed_and_names_the_stand_in(capsys):
-    deltas = arms_table(SUMMARIES, "test_spearman", 0.0103, "STS avg", stand_in="NOT STS")
-    assert deltas == {"gcbs/test_spearman": pytest.approx(0.04)}  # mean of (+0.06, +0.02)
+    lines = arms_table(SUMMARIES, "test_spearman", 0.0103, "STS avg", stand_in="NOT STS")
+    assert list(lines) == ["gcbs/test_spearman"]
+    gcbs = lines["gcbs/test_spearman"]  # paired differences +0.06 and +0.02
+    assert (gcbs.delta, gcbs.delta_sd, gcbs.seeds) == (pytest.approx(0.04), pytest.approx(0.02 * 2 ** 0.5), 2)
     printed = capsys.readouterr().out
     assert "NOT STS" in printed and "gensim-testdata-not-sts" in printed
     assert "measured Δ gcbs/test_spearman: +0.0400   paper: +0.0103 (STS avg)" in printed

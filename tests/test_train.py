@@ -3,7 +3,6 @@
 planted pairs written in CodeSearchNet's jsonl layout."""
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -20,31 +19,6 @@ from gcbs_lib.train import (TrainingDiverged, atomic_save, config_from_dict, loa
                             load_config, lr_factor, parse_overrides, train)
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = [f"w{i}" for i in range(120)]
-
-
-def planted_pair(rng: random.Random, i: int, split: str) -> dict:
-    """A docstring and a function sharing four topic words, so a bag-of-words encoder can learn to match them."""
-    topic = rng.sample(WORDS, 4)
-    doc = topic + rng.sample(WORDS, 2)
-    code = ["def", f"f{i}", "(", "x", ")", ":", "return", *topic, *rng.sample(WORDS, 3)]
-    return {"url": f"planted/{split}/{i}", "docstring_tokens": doc, "code_tokens": code}
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    """Planted train/valid/test/codebase files where CodeSearchNet python lives under a data root."""
-    root = tmp_path_factory.mktemp("data")
-    folder = root / "codesearch" / "CSN" / "python"
-    folder.mkdir(parents=True)
-    rng = random.Random(0)
-    splits = {split: [planted_pair(rng, i, split) for i in range(n)]
-              for split, n in (("train", 192), ("valid", 48), ("test", 48))}
-    splits["train"][5]["docstring_tokens"] = splits["train"][4]["docstring_tokens"]  # a duplicate query
-    for split, rows in splits.items():
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "codebase.jsonl").write_text("".join(json.dumps(r) + "\n" for r in splits["valid"] + splits["test"]))
-    return root
 
 
 def settings(data_root, **overrides):
