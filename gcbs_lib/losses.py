@@ -136,8 +136,9 @@ def mil_nce(video: torch.Tensor, text: torch.Tensor, bag_idx: torch.Tensor, temp
     counts twice and ℓ_i ≥ ln 2). Bags may be ragged and may share captions; a caption twice in one bag is
     refused. `exclude_idx [B, E]` (-1 = padding, optional) names captions that are no negatives for clip i (one
     overlapping its window from another clip's bag): the pairs (i, j) leave both sums. `chunk_size` streams the
-    denominators `chunk_size` columns at a time with a hand-written backward, so no B×N matrix is ever held; the
-    values and gradients equal the full computation to rounding. Returns the mean, or `[B]` with reduction="none".
+    denominators in blocks of `chunk_size` rows × `chunk_size` columns with a hand-written backward, so no B×N
+    (nor, for "both", N×B) matrix is ever held; the values and gradients equal the full computation to rounding.
+    Returns the mean, or `[B]` with reduction="none".
     """
     _check_mil_nce_inputs(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction)
     scaled = video / temperature
@@ -147,7 +148,8 @@ def mil_nce(video: torch.Tensor, text: torch.Tensor, bag_idx: torch.Tensor, temp
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
     if direction == "both":
         in_bags = bag_idx[bag_idx >= 0].unique()  # only these columns are needed: no all-excluded column enters
-        column = _masked_logsumexp(text[in_bags], scaled, *_pairs_among(cols, rows, in_bags), chunk_size)
+        bag_text = text if len(in_bags) == len(text) else text[in_bags]  # every caption in a bag: no copy
+        column = _masked_logsumexp(bag_text, scaled, *_pairs_among(cols, rows, in_bags), chunk_size)
         column_of = torch.full((text.shape[0],), float("-inf"), dtype=column.dtype, device=column.device)
         column_of = column_of.index_put((in_bags,), column)
         bag_columns = column_of[bag_idx.clamp(min=0)].masked_fill(bag_idx < 0, float("-inf")).logsumexp(dim=1)
@@ -178,26 +180,34 @@ def _masked_logsumexp(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, cols
     return _ChunkedLogSumExp.apply(a, b, rows, cols, chunk_size)
 
 
-def _masked_chunk(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, start: int, stop: int):
-    """Scores of a against columns start:stop of b, the excluded pairs set to −inf: `[M, stop − start]`."""
-    scores = a @ b[start:stop].T
-    inside = (cols >= start) & (cols < stop)
-    return scores.index_put_((rows[inside], cols[inside] - start), scores.new_tensor(float("-inf")))
+def _blocks(m: int, n: int, size: int):
+    """(rows, columns) slices tiling an m × n matrix in blocks of at most size × size."""
+    for r in range(0, m, size):
+        for c in range(0, n, size):
+            yield slice(r, r + size), slice(c, c + size)
+
+
+def _masked_block(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, r: slice, c: slice):
+    """Scores of rows r of a against rows c of b, the excluded pairs set to −inf: `[|r|, |c|]`."""
+    scores = a[r] @ b[c].T
+    inside = (rows >= r.start) & (rows < r.stop) & (cols >= c.start) & (cols < c.stop)
+    return scores.index_put_((rows[inside] - r.start, cols[inside] - c.start), scores.new_tensor(float("-inf")))
 
 
 class _ChunkedLogSumExp(torch.autograd.Function):
-    """`_masked_logsumexp` streamed over column chunks; the backward recomputes each chunk's softmax.
+    """`_masked_logsumexp` streamed over blocks of chunk_size × chunk_size; the backward recomputes each block's
+    softmax.
 
-    Forward: lse_m = logaddexp over chunks of the chunk's logsumexp. Backward: ∂lse_m/∂<a_m, b_j> = e^{s_mj − lse_m},
-    so each chunk contributes P @ b_chunk to a's gradient and Pᵀ @ a to its own rows of b's. Peak memory: one
-    `[M, chunk_size]` block besides the inputs, in the forward and in the backward.
+    Forward: lse_m = logaddexp over column blocks of the block's logsumexp. Backward: ∂lse_m/∂<a_m, b_j> =
+    e^{s_mj − lse_m}, so each block adds P @ b_block to its rows of a's gradient and Pᵀ @ a_block to its rows of
+    b's. Peak memory: one `[chunk_size, chunk_size]` block besides the inputs and their gradients.
     """
 
     @staticmethod
     def forward(ctx, a, b, rows, cols, chunk_size):
         lse = a.new_full((a.shape[0],), float("-inf"))
-        for start in range(0, b.shape[0], chunk_size):
-            lse = torch.logaddexp(lse, _masked_chunk(a, b, rows, cols, start, start + chunk_size).logsumexp(dim=1))
+        for r, c in _blocks(a.shape[0], b.shape[0], chunk_size):
+            lse[r] = torch.logaddexp(lse[r], _masked_block(a, b, rows, cols, r, c).logsumexp(dim=1))
         ctx.save_for_backward(a, b, rows, cols, lse)
         ctx.chunk_size = chunk_size
         return lse
@@ -207,11 +217,10 @@ class _ChunkedLogSumExp(torch.autograd.Function):
     def backward(ctx, grad):
         a, b, rows, cols, lse = ctx.saved_tensors
         grad_a, grad_b = torch.zeros_like(a), torch.zeros_like(b)
-        for start in range(0, b.shape[0], ctx.chunk_size):
-            stop = start + ctx.chunk_size
-            weights = (_masked_chunk(a, b, rows, cols, start, stop) - lse[:, None]).exp_().mul_(grad[:, None])
-            grad_a.addmm_(weights, b[start:stop])
-            grad_b[start:stop] = weights.T @ a
+        for r, c in _blocks(a.shape[0], b.shape[0], ctx.chunk_size):
+            weights = (_masked_block(a, b, rows, cols, r, c) - lse[r, None]).exp_().mul_(grad[r, None])
+            grad_a[r].addmm_(weights, b[c])
+            grad_b[c].addmm_(weights.T, a[r])
         return grad_a, grad_b, None, None, None
 
 
