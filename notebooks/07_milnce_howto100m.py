@@ -179,10 +179,11 @@ print(f"ln 2 = {math.log(2):.3f}")
 # ## 3 · A streamed denominator: exact values and gradients in bounded memory
 #
 # The full loss holds the $B\times N$ score matrix, and autograd keeps it (and its softmax) for the backward.
-# With `chunk_size=c`, `mil_nce` walks the captions $c$ columns at a time, combining the running log-sum-exps
-# with `logaddexp`, and its backward recomputes each block's softmax $e^{S_{ij} - \mathrm{lse}_i}$ instead of
-# storing it: peak memory is one $B \times c$ block (for "both", also the $N_{\text{bag}} \times c$ blocks of the
-# column sums $\log\sum_k e^{S_{kj}}$). Values and gradients equal the full computation to rounding:
+# With `chunk_size=c`, `mil_nce` walks the scores in blocks of $c$ rows × $c$ columns (for "both" also the
+# column sums $\log\sum_k e^{S_{kj}}$ over the bag captions), combining the running log-sum-exps with `logaddexp`,
+# and its backward recomputes each block's softmax $e^{S_{ij} - \mathrm{lse}_i}$ instead of storing it: peak
+# memory is one $c \times c$ block besides the inputs and their gradients. Values and gradients equal the full
+# computation to rounding:
 
 # %%
 v = video.clone().requires_grad_()
