@@ -97,9 +97,10 @@ def _resize(frames: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _normalise(frames: torch.Tensor, mean, std) -> torch.Tensor:
-    """uint8 `[..., H, W, 3]` → float `[..., 3, H, W]`, each channel standardised."""
+    """uint8 `[..., H, W, 3]` → float `[..., 3, H, W]` on the same device, each channel standardised."""
     x = frames.movedim(-1, -3).float() / 255
-    return (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    mean, std = (torch.tensor(v, device=x.device)[:, None, None] for v in (mean, std))
+    return (x - mean) / std
 
 
 def clip_starts(frame_count: int) -> np.ndarray:
@@ -111,15 +112,15 @@ def clip_starts(frame_count: int) -> np.ndarray:
 @torch.no_grad()
 def encode(frames_2d: torch.Tensor, frames_3d: torch.Tensor, net_2d: nn.Module, net_3d: nn.Module,
            device: str | torch.device = "cpu", batch: int = 32) -> dict[str, np.ndarray]:
-    """Feature rows of decoded frames: `{"2d": [⌊d⌋, width], "3d": [⌊1.5·d⌋, width]}` float16, L2-normalised."""
-    rows_2d = [net_2d(_normalise(frames_2d[i:i + batch], MEAN_2D, STD_2D).to(device)).float().cpu()
+    """Feature rows of decoded frames: `{"2d": [⌊d⌋, width], "3d": [⌊1.5·d⌋, width]}`, float16, unit rows."""
+    rows_2d = [net_2d(_normalise(frames_2d[i:i + batch].to(device), MEAN_2D, STD_2D)).float().cpu()
                for i in range(0, len(frames_2d), batch)]
-    starts = clip_starts(len(frames_3d))
+    starts, clips_per_batch = clip_starts(len(frames_3d)), max(1, batch // 4)
     rows_3d = []
-    for i in range(0, len(starts), max(1, batch // 4)):
-        index = np.minimum(starts[i:i + max(1, batch // 4), None] + np.arange(CLIP_FRAMES), len(frames_3d) - 1)
-        clips = _normalise(frames_3d[torch.from_numpy(index)], MEAN_3D, STD_3D).transpose(1, 2)  # [N, 3, 16, H, W]
-        rows_3d.append(net_3d(clips.to(device)).float().cpu())
+    for i in range(0, len(starts), clips_per_batch):
+        index = np.minimum(starts[i:i + clips_per_batch, None] + np.arange(CLIP_FRAMES), len(frames_3d) - 1)
+        clips = frames_3d[torch.from_numpy(index)].to(device)  # [N, 16, H, W, 3] uint8
+        rows_3d.append(net_3d(_normalise(clips, MEAN_3D, STD_3D).transpose(1, 2)).float().cpu())  # [N, 3, 16, H, W]
     return {stream: F.normalize(torch.cat(rows), dim=1).half().numpy()
             for stream, rows in (("2d", rows_2d), ("3d", rows_3d))}
 
