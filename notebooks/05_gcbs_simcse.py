@@ -52,7 +52,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from gcbs_lib.arms import arms_table, first_gap_no_larger, mean_over_seeds, run_arms
+from gcbs_lib.arms import arms_table, first_gap_no_larger, mean_over_seeds, rows_of, run_arms
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.results import record
@@ -173,7 +173,7 @@ plt.show()
 # the committed `cpu` rows are in `results/05_gcbs_simcse.cpu.json`.
 
 # %%
-rows = [row for summary in summaries.values() for row in summary["rows"]]
+rows = rows_of(summaries)
 data_name = rows[0]["data"]
 record(rows, "05_gcbs_simcse")
 print(f"{len(rows)} rows, metrics: {sorted({r['metric'] for r in rows})}")
