@@ -14,7 +14,8 @@ experiment collates them (tokenising outside the timed step) and its loss is ran
 loss over embeddings gathered with `gather_with_grad`. With `chunk_size` the loss goes through GradCache's
 `cached_loss`; DDP averages gradients with one all-reduce per step (notebook 02: this is exactly the
 single-process full-batch gradient), parameters outside DDP (a learnable logit scale) are averaged by
-`all_reduce_gradients`. Then clipping, AdamW, the schedule (warmup, then linear or cosine decay to 0), and
+`all_reduce_gradients`. Then clipping, AdamW, the experiment's `after_step` hook (e.g. MoCo's momentum
+encoder), the schedule (warmup, then linear or cosine decay to 0), and
 the logit scale's clamp.
 
 Randomness. Every stream comes from `seeding.stream_seed(seed, epoch, purpose)`: model init, batch order,
@@ -548,6 +549,8 @@ class Trainer:
             raise _diverged("the gradient norm", self.step, config)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        with torch.no_grad():
+            self.experiment.after_step(self.model)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if isinstance(self.scale, LogitScale):

@@ -12,6 +12,7 @@ mined item per index in `negatives`):
     modules = experiment.branches(model)                    # one encoder per branch (the trainer wraps them in DDP)
     embeddings = [m(x) for m, x in zip(modules, batch.inputs)]      # or chunk by chunk with `cached_loss`
     loss = experiment.loss(embeddings, batch, scale)         # L_r, this rank's share (see below)
+    loss.backward(); optimizer.step(); experiment.after_step(model)   # the trainer's part, then the hook
 
 The loss follows the kit's exact DDP convention (notebook 02): gather every rank's embeddings with
 `gcbs_lib.distributed.gather_with_grad`, and return rank r's share L_r of the global loss, i.e. its own queries
@@ -124,6 +125,10 @@ class Experiment(ABC):
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
         """Rank r's share L_r of the global loss from this rank's branch outputs (gather the other ranks' with
         `gather_with_grad`); equals the full-batch loss in one process."""
+
+    def after_step(self, model: nn.Module) -> None:
+        """Called by the trainer after every optimizer step, on every rank, without gradients: state that follows
+        the trained weights (e.g. MoCo's momentum encoder) is updated here. The default does nothing."""
 
     @abstractmethod
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
