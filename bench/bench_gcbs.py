@@ -43,6 +43,9 @@ from gcbs_lib.gcbs import (_BINS, _HIGH_IN_VALUE_ORDER, _float32_at_most, _halve
                            edges_to_graph, embed_all, gcbs_order, rcm_order, row_blocks, similarity_blocks,
                            synthetic_pairs)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trials import spread  # noqa: E402  (bench/ is not a package)
+
 FEATURES = 128
 DEFAULT_MARKDOWN = "docs/bench/gcbs.md"
 
@@ -127,11 +130,6 @@ def timed(run) -> tuple[float, object]:
     start = time.perf_counter()
     result = run()
     return time.perf_counter() - start, result
-
-
-def spread(values: list[float], digits: int = 2) -> str:
-    """'median (min–max)' of a list of numbers."""
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
 def same_result(kit, reference) -> bool:

@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from functools import partial
@@ -42,6 +41,7 @@ from gcbs_lib import measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import ROOT, machine_summary  # noqa: E402  (bench/ is not a package)
+from trials import CLOCK_TEXT, CLOCKS, interleaved_trials, ratios, spread  # noqa: E402
 
 ARMS = ("plain", "kit", "peer")
 SCALE = 20.0  # the peer's default scale (τ = 0.05)
@@ -122,34 +122,6 @@ def kit_vs_peer_gradient(model: nn.Module, batches: list[dict], chunk: int, seed
         make_step(arm, model, batches, chunk)()
         grads.append(gradients(model).double())
     return float((grads[0] - grads[1]).norm() / grads[1].norm())
-
-
-def interleaved_trials(steps: dict[str, Callable[[], None]], trials: int, clock: Callable[[], float],
-                       seed: int, sync: Callable[[], None]) -> dict[str, list[float]]:
-    """Seconds per step of each arm over `trials` rounds; the arms of a round run back to back, starting each
-    round at the next arm, each step from the same seed. One untimed warm-up step per arm first."""
-    names = list(steps)
-    for name in names:
-        steps[name]()
-    times = {name: [] for name in names}
-    for trial in range(trials):
-        for name in names[trial % len(names):] + names[:trial % len(names)]:
-            torch.manual_seed(seed)
-            sync()
-            start = clock()
-            steps[name]()
-            sync()
-            times[name].append(clock() - start)
-    return times
-
-
-def spread(values: list[float], digits: int = 2) -> str:
-    """median (min–max)"""
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
-
-
-def ratios(times: dict[str, list[float]], a: str, b: str) -> list[float]:
-    return [x / y for x, y in zip(times[a], times[b])]
 
 
 def peak_memory(arm: str, batch: int, chunk: int, batches_file: Path, args: argparse.Namespace) -> int:
@@ -239,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=32, help="tokens per text")
     parser.add_argument("--trials", type=int, default=5, help="interleaved timed trials per cell")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="wall time, or the process's CPU time (steadier on a shared machine; use one thread)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -270,9 +242,7 @@ def main(argv=None) -> None:
     batches = text_pairs(model.tokenizer, count, args.length, args.device)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    clock = time.process_time if args.clock == "process" else time.perf_counter
-    clock_text = ("CPU time of the process (steady under other load; with one thread it is the step's work)"
-                  if args.clock == "process" else "wall time")
+    clock, clock_text = CLOCKS[args.clock], CLOCK_TEXT[args.clock]
     header = [f"## GradCache (`bench/bench_gradcache.py`)", "",
               f"Rerun: `{command}`", "",
               f"Measured {started:%Y-%m-%d %H:%M} UTC on {args.device}: {machine}. {torch.get_num_threads()} torch "

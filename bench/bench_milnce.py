@@ -1,0 +1,294 @@
+"""MIL-NCE costs: the streamed (chunked) loss against the full-matrix one, and the bag-index `.npz` cache against
+reading the caption files every step.
+
+    python bench/bench_milnce.py                                    # both tables → docs/bench/milnce.md
+    python bench/bench_milnce.py --threads 1 --clock process        # on a shared, loaded machine
+    python bench/bench_milnce.py --quick --out /tmp/milnce.md       # tiny sizes: does it run?
+    python bench/bench_milnce.py --device cuda --videos 0 --out docs/bench/milnce_cuda.md   # the loss on a GPU
+
+Table 1, the loss: B clips with disjoint bags of K captions (N = B·K captions), L2-normalised random embeddings
+of width d, τ = 0.07, both forms ("v2t", "both"). One step = `mil_nce` forward and backward into the two
+embedding matrices. Times over interleaved trials of the full-matrix loss and the chunked one at each chunk
+size. Peak memory: the rise over one step in a fresh process (`gcbs_lib.experiments.milnce.loss_peak_memory`,
+which measures with `gcbs_lib.measure.memory_rise`: peak resident set on CPU, the allocator's peak on CUDA).
+Exactness in float32: the largest |Δℓ_i| over the clips between chunked and full, and ‖g_chunked − g_full‖ /
+‖g_full‖ over both embedding gradients, next to the float32 full loss's own distance from float64 (its round-off).
+
+Table 2, the data: planted videos written in the real formats by `gcbs_lib.data.howto100m.write_planted`
+(per-video `.npy` features at 1 and 1.5 rows/s, per-video caption csv files, caption.json) in a temporary
+folder, and the training bag cache built from them once. One step = a batch of B clips drawn at random (a new
+batch each trial, the same for every arm): their bags, exclusions, caption texts and clip features, from
+  cache      rows of the memory-mapped `.npz` (what `MilNce.collate` reads before tokenising);
+  csv        each of the batch's videos' `<video_id>.csv` parsed and `.npy` features read, then the bag grown,
+             the overlapping captions listed and the features pooled per clip, as a loader without the cache
+             does every step (the official MIL-NCE loader reads a caption csv per clip);
+  in memory  the same, the captions parsed once from caption.json and held (only the features read per step).
+"same as cache" checks that the arm gives the cache's bags, exclusions and features, bitwise.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gcbs_lib.check import relative_error
+from gcbs_lib.data.howto100m import (MIN_TIME, FeatureStore, PlantedConfig, _plain_captions, _read_csv_captions,
+                                     build_bags, clip_features, nearest_bag, open_cache, read_captions, widen,
+                                     write_cache, write_captions, write_planted)
+from gcbs_lib.experiments.milnce import loss_peak_memory
+from gcbs_lib.losses import mil_nce
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import ROOT, machine_summary  # noqa: E402  (bench/ is not a package)
+from trials import CLOCK_TEXT, CLOCKS, interleaved_trials, ratios, spread  # noqa: E402
+
+TEMPERATURE = 0.07
+FORMS = ("v2t", "both")
+
+
+# ------------------------------------------------------------------------------------------- 1. the loss
+
+def loss_inputs(clips: int, k: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 unit-norm clip [B, d] and caption [B·K, d] embeddings, and disjoint bags of K: `[B, K]`."""
+    g = torch.Generator().manual_seed(seed)
+    video = F.normalize(torch.randn(clips, dim, generator=g, dtype=torch.float64), dim=1)
+    text = F.normalize(torch.randn(clips * k, dim, generator=g, dtype=torch.float64), dim=1)
+    return video, text, torch.arange(clips * k).view(clips, k)
+
+
+def loss_step(video, text, bags, form: str, chunk: int | None):
+    """One forward and backward of `mil_nce` into fresh gradients of (copies of) the embeddings."""
+    video, text = video.detach().clone().requires_grad_(), text.detach().clone().requires_grad_()
+
+    def step() -> None:
+        video.grad = text.grad = None
+        mil_nce(video, text, bags, TEMPERATURE, form, chunk).backward()
+
+    return step
+
+
+def per_clip_losses_and_gradient(video, text, bags, form: str, chunk: int | None):
+    """(ℓ_i `[B]`, the flat gradient of the mean over both embeddings), in the inputs' dtype."""
+    video, text = video.detach().clone().requires_grad_(), text.detach().clone().requires_grad_()
+    losses = mil_nce(video, text, bags, TEMPERATURE, form, chunk, reduction="none")
+    losses.mean().backward()
+    return losses.detach(), torch.cat([video.grad.reshape(-1), text.grad.reshape(-1)])
+
+
+def exactness(inputs, form: str, chunks: list[int], device: str) -> dict:
+    """max |Δℓ_i| and gradient relative difference of each chunked float32 loss against the full float32 one,
+    and of the full float32 loss against float64 (its round-off)."""
+    video, text, bags = (x.to(device) for x in inputs)
+    exact = per_clip_losses_and_gradient(video, text, bags, form, None)
+    single = [x.float() for x in (video, text)] + [bags]
+    full = per_clip_losses_and_gradient(*single, form, None)
+    out = {"rounding": ((full[0].double() - exact[0]).abs().max().item(), relative_error(full[1], exact[1]))}
+    for chunk in chunks:
+        chunked = per_clip_losses_and_gradient(*single, form, chunk)
+        out[chunk] = ((chunked[0] - full[0]).abs().max().item(), relative_error(chunked[1], full[1]))
+    return out
+
+
+def loss_rows(args, clock, sync, lines: list[str], on_row) -> list[dict]:
+    """Table 1, appended to `lines`; `on_row()` after each (form, N). Returns the rows' medians."""
+    lines += [f"### 1. Chunked against full-matrix MIL-NCE (K = {args.bag_size}, d = {args.dim}, τ = {TEMPERATURE}, "
+              f"{args.device})", "",
+              "| form | N (B × K) | chunk | full s | chunked s | chunked / full | full MiB | chunked MiB "
+              "| chunked / full memory | max \\|Δℓ\\| | gradient rel. diff | full fp32 vs fp64: max \\|Δℓ\\|, grad |",
+              "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+    summary = []
+    for form in args.forms:
+        for clips in args.clips:
+            n = clips * args.bag_size
+            inputs = loss_inputs(clips, args.bag_size, args.dim, args.seed)
+            single = [x.to(args.device, torch.float32) if x.is_floating_point() else x.to(args.device) for x in inputs]
+            arms = {"full": None, **{f"chunk {c}": c for c in args.chunks}}
+            steps = {name: loss_step(*single, form, chunk) for name, chunk in arms.items()}
+            times = interleaved_trials(steps, args.trials, clock, args.seed, sync)
+            settings = [{"clips": clips, "bag_size": args.bag_size, "dim": args.dim, "chunk_size": chunk,
+                         "direction": form} for chunk in arms.values()]
+            peaks = dict(zip(arms, loss_peak_memory(settings, args.device)))
+            errors = exactness(inputs, form, args.chunks, args.device)
+            rounding = errors["rounding"]
+            for name, chunk in list(arms.items())[1:]:
+                speed, memory = ratios(times, name, "full"), peaks[name] / peaks["full"]
+                lines.append(f"| {form} | {n:,} ({clips} × {args.bag_size}) | {chunk} | {spread(times['full'], 3)} | "
+                             f"{spread(times[name], 3)} | {spread(speed)} | {peaks['full'] / 2**20:.1f} | "
+                             f"{peaks[name] / 2**20:.1f} | {memory:.0%} | {errors[chunk][0]:.1e} | "
+                             f"{errors[chunk][1]:.1e} | {rounding[0]:.1e}, {rounding[1]:.1e} |")
+                summary.append({"form": form, "n": n, "chunk": chunk, "time": statistics.median(speed),
+                                "memory": memory, "loss": errors[chunk][0], "grad": errors[chunk][1]})
+            on_row()
+    return summary
+
+
+# ------------------------------------------------------------------------------------------- 2. the data
+
+def clip_without_cache(entry: dict, streams: dict, anchor: int, k: int, min_time: float):
+    """What a loader without the cache does for one clip (anchored at caption `anchor` of its video): widen its
+    window, grow its bag, list the overlapping captions outside it, pool its features. Caption numbers are
+    positions in the video."""
+    start, end = np.asarray(entry["start"]), np.asarray(entry["end"])
+    s, e = widen(start[anchor], end[anchor], min_time)
+    first = nearest_bag(start, end, anchor, k)
+    bag = list(range(first, first + min(k, len(start))))
+    exclude = [j for j in np.flatnonzero((start < e) & (end > s)).tolist() if j not in bag]
+    features, _ = clip_features(streams, np.array([(s, e)]))
+    return bag, exclude, [entry["text"][j] for j in bag], features[0]
+
+
+class BagSources:
+    """Planted videos in the real formats under a folder, their bag cache, and the three ways to make a batch."""
+
+    def __init__(self, folder: Path, args):
+        self.k, self.folder = args.bag_size, folder
+        config = PlantedConfig(videos=args.videos, dim=args.feature_dim, seed=args.seed)
+        started = time.perf_counter()
+        write_planted(folder, config, caption_format="csv")
+        self.write_seconds = time.perf_counter() - started
+        self.captions = read_captions(folder / "captions")
+        write_captions(self.captions, folder / "caption.json", "json")
+        started = time.perf_counter()
+        self.cache_path = write_cache(build_bags(self.captions, FeatureStore(folder), self.k), folder / "bags.npz")
+        self.build_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        self.held = read_captions(folder / "caption.json")
+        self.parse_seconds = time.perf_counter() - started
+        self.bags, self.store = open_cache(self.cache_path), FeatureStore(folder)
+        first_caption = np.searchsorted(self.bags.caption_video, np.arange(len(self.bags.video_ids)))
+        self.video_of = self.bags.video_ids[self.bags.clip_video]
+        self.local_anchor = self.bags.anchor - first_caption[self.bags.clip_video]
+        self.offset = first_caption[self.bags.clip_video]
+
+    def from_cache(self, clips: np.ndarray):
+        bag_idx, exclude_idx = np.array(self.bags.bag_idx[clips]), np.array(self.bags.exclude_idx[clips])
+        texts = self.bags.caption_text[np.unique(bag_idx[bag_idx >= 0])].tolist()
+        return bag_idx, exclude_idx, texts, np.array(self.bags.features[clips])
+
+    def from_files(self, clips: np.ndarray, held: bool):
+        """Per clip (bag, exclusions, texts, features) from the caption csv files, or the held captions."""
+        videos = {str(v) for v in self.video_of[clips]}
+        folder = self.folder / "captions"
+        entries = ({v: self.held[v] for v in videos} if held else
+                   {v: _plain_captions(v, _read_csv_captions(folder / f"{v}.csv")) for v in videos})
+        streams = {v: self.store.load(v) for v in videos}
+        return [clip_without_cache(entries[str(self.video_of[m])], streams[str(self.video_of[m])],
+                                   int(self.local_anchor[m]), self.k, MIN_TIME) for m in clips]
+
+    def same_as_cache(self, clips: np.ndarray, made: list) -> bool:
+        """Whether per-clip results equal the cache's rows (caption numbers made global), bitwise."""
+        bag_idx, exclude_idx, _, features = self.from_cache(clips)
+        for row, offset, (bag, exclude, texts, feature) in zip(range(len(clips)), self.offset[clips], made):
+            if (bag_idx[row][bag_idx[row] >= 0].tolist() != [offset + j for j in bag]
+                    or sorted(exclude_idx[row][exclude_idx[row] >= 0].tolist()) != sorted(offset + j for j in exclude)
+                    or texts != self.bags.caption_text[bag_idx[row][bag_idx[row] >= 0]].tolist()
+                    or not np.array_equal(features[row], feature)):
+                return False
+        return True
+
+
+def data_rows(args, clock, lines: list[str]) -> dict:
+    """Table 2, appended to `lines`. Returns the median ratios to the cache."""
+    with tempfile.TemporaryDirectory(prefix="bench-milnce-") as folder:
+        sources = BagSources(Path(folder), args)
+        rng = np.random.default_rng(args.seed)
+        batches = [rng.choice(len(sources.bags), args.batch, replace=False) for _ in range(args.data_trials + 1)]
+        makers = {"cache": sources.from_cache, "csv": lambda c: sources.from_files(c, held=False),
+                  "in memory": lambda c: sources.from_files(c, held=True)}
+        same = {name: all(sources.same_as_cache(c, makers[name](c)) for c in batches) for name in ("csv", "in memory")}
+        queues = {name: iter(batches) for name in makers}
+        steps = {name: (lambda name=name: makers[name](next(queues[name]))) for name in makers}
+        times = interleaved_trials(steps, args.data_trials, clock, args.seed)
+        size = sources.cache_path.stat().st_size / 2**20
+        bags = sources.bags
+        lines += [f"### 2. Bag cache against caption files ({len(bags.video_ids):,} planted videos, "
+                  f"{len(bags.caption_text):,} captions, {len(bags):,} clips, K = {args.bag_size}, "
+                  f"{args.feature_dim}-wide features per stream)", "",
+                  f"One step makes the bags, exclusions, caption texts and clip features of {args.batch} random "
+                  f"clips. Once per data set: writing the planted files took {sources.write_seconds:.1f} s, "
+                  f"building the cache {sources.build_seconds:.1f} s ({size:.0f} MiB `.npz`), parsing caption.json "
+                  f"{sources.parse_seconds:.2f} s (wall times).", "",
+                  "| source | ms per step | / cache | same as cache |", "|---|---|---|---|"]
+        summary = {}
+        for name in makers:
+            to_cache = ratios(times, name, "cache")
+            summary[name] = statistics.median(to_cache)
+            lines.append(f"| {name} | {spread([1000 * t for t in times[name]], 1)} | {spread(to_cache, 1)} | "
+                         f"{'–' if name == 'cache' else same[name]} |")
+    return summary
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clips", type=int, nargs="*", default=[200, 800, 3200],
+                        help="clips B per step in table 1; N = B·K captions (none: skip table 1)")
+    parser.add_argument("--bag-size", type=int, default=5, help="captions K per bag (both tables)")
+    parser.add_argument("--dim", type=int, default=512, help="embedding width d of table 1")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 4096], help="chunk sizes of table 1")
+    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS), help="loss forms of table 1")
+    parser.add_argument("--trials", type=int, default=3, help="interleaved timed trials per cell of table 1")
+    parser.add_argument("--videos", type=int, default=2000, help="planted videos of table 2 (0: skip table 2)")
+    parser.add_argument("--feature-dim", type=int, default=2048, help="feature width per stream (real: 2048)")
+    parser.add_argument("--batch", type=int, default=512, help="clips per step in table 2")
+    parser.add_argument("--data-trials", type=int, default=10, help="interleaved timed trials of table 2")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="wall time, or the process's CPU time (steadier on a shared machine; use one thread)")
+    parser.add_argument("--device", default="cpu", help="where table 1's loss runs (table 2 reads files on the CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 trials, to check the script runs")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "milnce.md")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clips, args.chunks, args.dim, args.trials = [16, 64], [32], 32, 2
+        args.videos, args.feature_dim, args.batch, args.data_trials = 40, 16, 32, 2
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = "python bench/bench_milnce.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    started, machine = datetime.now(timezone.utc), machine_summary()
+    clock = CLOCKS[args.clock]
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    header = ["## MIL-NCE (`bench/bench_milnce.py`)", "", f"Rerun: `{command.strip()}`", "",
+              f"Measured {started:%Y-%m-%d %H:%M} UTC: {machine}. {torch.get_num_threads()} torch thread(s); clock: "
+              f"{CLOCK_TEXT[args.clock]}; median (min–max) over {args.trials} (table 1) and {args.data_trials} "
+              f"(table 2) interleaved trials.", ""]
+    table1, table2 = [], []
+    notes = ["Table 1: peak memory is the rise over one step (forward and backward) in a fresh process, above the "
+             "inputs; it includes the two embedding gradients and the gathered bag rows, which every form needs "
+             "(N·d floats each). The chunked loss streams blocks of chunk × chunk scores; its differences from the "
+             "full loss are float32 round-off, of the size of the full loss's own distance from float64.", ""]
+
+    def write(done: bool) -> None:
+        """The section so far: rewritten after every row, so a stopped run leaves the rows it finished."""
+        status = [] if done else ["**Incomplete run**: it stopped (or is still running) after the rows above.", ""]
+        body = [*table1, *([""] if table1 else []), *(notes if table1 else []), *table2, *([""] if table2 else [])]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join([*header, *body, *status]))
+        print((table2 or table1)[-1], file=sys.stderr, flush=True)
+
+    loss_summary = loss_rows(args, clock, sync, table1, lambda: write(done=False)) if args.clips else []
+    data_summary = data_rows(args, clock, table2) if args.videos else {}
+    write(done=True)
+    for row in loss_summary:
+        print(row)
+    print(data_summary)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
