@@ -17,9 +17,13 @@ and horizontal flip for every image; for RGB images MoCo v2's colour jitter (bri
 saturation ±0.4 with p = 0.8, in that order; no hue) and grayscale (p = 0.2); none for gray digits. The views
 are a stochastic layer of each branch, so GradCache replays them like dropout.
 
-Normalisation is GroupNorm, not BatchNorm: MoCo shuffles BatchNorm across GPUs so that a batch cannot find its
-positives through batch statistics; GroupNorm has no batch statistics, needs no shuffle and keeps chunked
-(GradCache) and full-batch steps equal. The trainer's optimizer is AdamW (MoCo: SGD with momentum).
+Normalisation is BatchNorm, as in MoCo's ResNets. A small CNN with global average pooling and no batch
+statistics (GroupNorm or none) starts with nearly identical features for every image (cosine ≈ 0.99), so its keys
+cannot tell images apart and MoCo does not get going; batch-centred activations break that symmetry. MoCo
+shuffles BatchNorm across GPUs so that a batch cannot find its positives through batch statistics; one process
+here uses plain BatchNorm over the batch (the MoCo CIFAR-10 demo emulates the shuffle with split BatchNorm). In
+training mode BatchNorm normalises each chunk by its own statistics, so GradCache (`chunk_size`) refuses this
+model. The trainer's optimizer is AdamW (MoCo: SGD with momentum 0.9).
 
 GCBS orders the training images at each epoch start by the two views' keys, f_k of two fixed augmentations
 per image (drawn once per run), so the epoch's batches gather images whose views look alike. Evaluation: the
@@ -115,12 +119,12 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
     return sum(w * x[:, i:i + 1] for i, w in enumerate(GRAY))
 
 
-def _norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(min(32, max(1, channels // 4)), channels)
+def _norm(channels: int) -> nn.BatchNorm2d:
+    return nn.BatchNorm2d(channels)
 
 
 class BasicBlock(nn.Module):
-    """ResNet's basic block (two 3×3 convolutions and a shortcut) with GroupNorm."""
+    """ResNet's basic block: two 3×3 convolutions with BatchNorm, and a shortcut."""
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -253,7 +257,7 @@ class MoCo(Experiment):
     @property
     def model_name(self) -> str:
         o = self.options
-        return f"moco-v2-resnet-gn-w{o.width}-{o.stages}x{o.blocks}"
+        return f"moco-v2-resnet-w{o.width}-{o.stages}x{o.blocks}"
 
     # ---- model and steps --------------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
