@@ -61,9 +61,10 @@ def mean_over_seeds(summaries: dict, arm: str, records: str, key: str) -> list[f
     return [statistics.fmean(r[key] for r in same_point) for same_point in zip(*runs)]
 
 
-def arms_table(summaries: dict, metric: str, paper_delta: float, paper: str,
+def arms_table(summaries: dict, metric: str, paper_delta: float | None, paper: str,
                stand_in: str = "not the paper's data") -> dict[str, TableLine]:
-    """Print the markdown table of every run's test rows and the measured Δ of `metric` next to the paper's;
+    """Print the markdown table of every run's test rows and the measured Δ of `metric` next to the paper's (None:
+    the paper gives none);
     return each non-baseline arm's table line per test metric (keys "arm/metric"; `.delta` ± `.delta_sd` over
     the seeds it shares with the baseline). `stand_in` says, under the table's data line, what a stand-in is not."""
     rows = rows_of(summaries)
@@ -75,7 +76,8 @@ def arms_table(summaries: dict, metric: str, paper_delta: float, paper: str,
     deltas = {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
     for key, line in deltas.items():
         if key.endswith("/" + metric):
-            print(f"measured Δ {key}: {line.delta:+.4f}   paper: {paper_delta:+.4f} ({paper})")
+            reported = "none reported" if paper_delta is None else f"{paper_delta:+.4f}"
+            print(f"measured Δ {key}: {line.delta:+.4f}   paper: {reported} ({paper})")
     return deltas
 
 

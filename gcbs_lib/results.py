@@ -86,7 +86,8 @@ BASELINE_ARM = "random"
 
 @dataclass(frozen=True)
 class PaperDelta:
-    """A headline Δ (arm − random batches) from the GCBS paper, on the metric's own 0–1 scale.
+    """A headline Δ (arm − random batches) from the GCBS paper, on the metric's own 0–1 scale (no `deltas`: an
+    experiment the paper's code runs but its text gives no number for; the table says so).
 
     The paper reports percentage points; +1.0 % MRR is +0.010 here, so it reads next to the kit's Δ of an MRR
     in [0, 1]. It belongs to the table line of the same experiment, arm and metric (the training loop's rows).
@@ -102,6 +103,8 @@ class PaperDelta:
         return (experiment, arm, metric) == (self.experiment, self.arm, self.metric)
 
     def text(self) -> str:
+        if not self.deltas:
+            return f"none reported ({self.source})"
         return " / ".join(f"{d:+.4f}" for d in self.deltas) + f" ({self.source})"
 
 
@@ -111,6 +114,8 @@ PAPER_DELTAS = (
     PaperDelta("codesearch", "gcbs", "test_mrr", (0.010, 0.020, 0.022), "CosQA / AdvTest / CodeSearchNet, UniXcoder"),
     PaperDelta("simcse", "gcbs", "test_spearman", (0.0103,), "STS avg, unsupervised SimCSE BERT-base"),
     PaperDelta("promcse", "gcbs", "test_spearman", (0.0027,), "STS avg, PromCSE"),
+    PaperDelta("moco", "gcbs", "test_knn_accuracy", (), "the paper gives no MoCo number; its repository trains "
+               "MoCo on CIFAR-10 with GCBS"),
 )
 
 
@@ -149,7 +154,7 @@ def build_table(sources: Iterable[tuple[list[dict], str]], *,
     Rows are grouped by (experiment, model, data, profile, metric); within a group each arm gets mean ± sd over
     its seeds, and every arm but the baseline gets Δ = mean over shared seeds of (arm − random) ± the sd of those
     paired differences. Groups and arms keep the order of first appearance, the baseline first. With
-    `list_unrun_paper_results`, paper headlines without a matching kit line are listed as not run.
+    `list_unrun_paper_results`, paper headlines (with a number) without a matching kit line are listed as not run.
     """
     groups: dict[tuple, dict[str, dict[int, float]]] = {}
     commits: dict[tuple, set[str]] = {}
@@ -183,7 +188,7 @@ def build_table(sources: Iterable[tuple[list[dict], str]], *,
                                    note, _paper_text(experiment, arm, metric), commit))
     if list_unrun_paper_results:
         for paper in PAPER_DELTAS:
-            if not any(paper.matches(line.experiment, line.arm, line.metric) for line in lines):
+            if paper.deltas and not any(paper.matches(line.experiment, line.arm, line.metric) for line in lines):
                 lines.append(TableLine(paper.experiment, paper.arm, paper.metric, "", "", "", 0, None, None, None,
                                        None, "", paper.text(), "—"))
     return lines

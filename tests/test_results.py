@@ -80,8 +80,16 @@ def test_the_paper_headline_is_attached_to_the_matching_arm_and_metric_only():
 def test_paper_headlines_the_kit_has_not_run_are_listed_when_asked():
     ran = build_table([([row("random", 0, 0.5), row("gcbs", 0, 0.6)], "")], list_unrun_paper_results=True)
     unrun = [line for line in ran if line.mean is None]
-    assert {line.experiment for line in unrun} == {p.experiment for p in PAPER_DELTAS} - {"codesearch"}
+    assert {line.experiment for line in unrun} == {p.experiment for p in PAPER_DELTAS if p.deltas} - {"codesearch"}
     assert "not run yet" in to_markdown(unrun)
+
+
+def test_an_experiment_the_paper_gives_no_number_for_says_so_and_is_not_listed_as_unrun():
+    rows = [row("random", 0, 0.5, experiment="moco", metric="test_knn_accuracy"),
+            row("gcbs", 0, 0.6, experiment="moco", metric="test_knn_accuracy")]
+    gcbs = build_table([(rows, "")], list_unrun_paper_results=True)[1]
+    assert gcbs.paper.startswith("none reported (the paper gives no MoCo number") and gcbs.delta == pytest.approx(0.1)
+    assert all(line.experiment != "moco" for line in build_table([], list_unrun_paper_results=True))
 
 
 def test_markdown_and_csv_show_the_same_numbers(tmp_path):
@@ -146,7 +154,7 @@ def test_collect_refuses_a_run_without_rows_and_rows_of_mixed_profiles(tmp_path)
 def test_without_committed_rows_the_table_says_so_and_lists_the_paper_headlines(tmp_path):
     table = committed_table(tmp_path)
     assert "No cpu-profile results are committed yet" in table
-    assert table.count("not run yet") == len(PAPER_DELTAS)
+    assert table.count("not run yet") == sum(1 for p in PAPER_DELTAS if p.deltas)
 
 
 def test_the_readme_table_is_what_the_committed_results_generate():
