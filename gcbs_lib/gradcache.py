@@ -20,6 +20,12 @@ chunk's graph is the memory budget anyway), and step 3 back-propagates it first,
 replay. A second backward (`retain_graph=True`) finds that graph spent and replays the chunk like the others.
 Until its backward, a call holds that one graph: two calls before one backward hold two.
 
+Each chunk's backward adds to every parameter's gradient, and an `nn.Embedding`'s dense backward builds a
+vocabulary-sized tensor (47 MB for BERT's 30k word pieces) to add a few rows: per chunk, that costs more than the
+chunk's own embedding work. So a replay whose embedding weight already holds a dense gradient runs the embedding
+with `sparse=True` for that chunk: its backward adds only the rows of the chunk's tokens, and `.grad` stays dense
+(the same sums, in another order). DistributedDataParallel encoders keep dense gradients (their reducer's layout).
+
 Exactness needs a deterministic encoder given its RNG state and inputs: no BatchNorm in training mode (it
 normalises each chunk by its own statistics), no inputs carrying a graph; both are refused with an error.
 """
@@ -199,10 +205,27 @@ def _replay(cache: _Cache, grads_by_branch: dict[int, list[torch.Tensor]]) -> No
             if not sync:
                 stack.enter_context(chunk.encoder.no_sync())
             stack.enter_context(chunk.rng)
+            stack.enter_context(_sparse_embedding_gradients(chunk.encoder))
             for device, dtype in cache.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             stack.enter_context(torch.enable_grad())
             _backward_through(tree_flatten(chunk.encoder(chunk.inputs))[0], grads, chunk)
+
+
+@contextlib.contextmanager
+def _sparse_embedding_gradients(encoder):
+    """Within: the encoder's dense `nn.Embedding`s whose weight already has a dense `.grad` produce sparse
+    gradients (added row by row into that `.grad`); outside, they are dense again. Not for DDP encoders."""
+    embeddings = [] if _is_ddp(encoder) or not isinstance(encoder, nn.Module) else [
+        m for m in encoder.modules() if isinstance(m, nn.Embedding) and not m.sparse
+        and m.weight.grad is not None and m.weight.grad.layout == torch.strided]
+    for module in embeddings:
+        module.sparse = True
+    try:
+        yield
+    finally:
+        for module in embeddings:
+            module.sparse = False
 
 
 def _in_backward_order(chunks: list[_Chunk]) -> list[_Chunk]:

@@ -463,6 +463,29 @@ def test_under_no_grad_no_graph_is_kept():
     assert not any(output.requires_grad for output in outputs)
 
 
+# ---- embedding gradients: replays add only the rows of their tokens --------------------------------------------
+
+@pytest.mark.parametrize("shared, expected", [(True, {0: [False, True, True, True]}),
+                                              (False, {0: [False, True], 1: [False, True]})],
+                         ids=["shared_encoder", "two_encoders"])
+def test_replays_add_embedding_gradients_sparsely_once_a_dense_grad_exists(shared, expected):
+    """Each encoder's first backward (the kept chunk, or the first replay) creates the dense `.grad`; every later
+    replay's token-embedding gradient is sparse; afterwards `.grad` is dense, `sparse` is off, gradients exact."""
+    setup = make_setup("symmetric", shared, dropout=0.1)
+    torch.manual_seed(2)
+    reference = setup.grads_of(setup.full_batch_loss(chunk_size=4))
+    encoders = list(dict.fromkeys(setup.encoder_list()))
+    layouts = {k: [] for k in range(len(encoders))}
+    handles = [e.tokens.weight.register_hook(lambda grad, k=k: layouts[k].append(grad.is_sparse))
+               for k, e in enumerate(encoders)]
+    torch.manual_seed(2)
+    grads = setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4))
+    [h.remove() for h in handles]
+    assert layouts == expected
+    assert all(e.tokens.weight.grad.layout == torch.strided and not e.tokens.sparse for e in encoders)
+    assert max_relative_error(grads, reference) <= 1e-12
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     """A gloo process group of one rank in this process: DDP's reducer and all-reduce run as on many ranks."""
