@@ -4,7 +4,7 @@
 `gcbs_lib.train` run per config, each in its own folder (in this process, or on `nproc` ranks with torchrun), so
 a finished run is loaded from its checkpoint instead of retrained (the same arguments resume). `rows_of`
 collects every run's result rows, `mean_over_seeds` averages a logged quantity (dev scores, epoch loss gaps)
-across seeds, and `arms_table` prints the test rows as the kit's results table (mean ± sd over seeds, Δ against
+across seeds (`plot_over_seeds` draws it per arm), and `arms_table` prints the test rows as the kit's results table (mean ± sd over seeds, Δ against
 the "random" arm paired by seed) next to the paper's Δ, and `first_gap_no_larger` checks that an arm's first
 batches were no easier than the baseline's.
 """
@@ -79,6 +79,20 @@ def arms_table(summaries: dict, metric: str, paper_delta: float | None, paper: s
             reported = "none reported" if paper_delta is None else f"{paper_delta:+.4f}"
             print(f"measured Δ {key}: {line.delta:+.4f}   paper: {reported} ({paper})")
     return deltas
+
+
+def plot_over_seeds(ax, summaries: dict, arms: Sequence[str], records: str, key: str) -> dict[str, list[float]]:
+    """Draw each arm's `key` averaged over seeds on `ax` (`records` "dev" against the step, "epochs" against the
+    epoch) with a legend; return the curves by arm."""
+    curves = {}
+    for arm in arms:
+        curves[arm] = mean_over_seeds(summaries, arm, records, key)
+        first = next(summary for (a, _), summary in summaries.items() if a == arm)
+        x = [r["step"] for r in first[records]] if records == "dev" else range(len(curves[arm]))
+        ax.plot(x, curves[arm], marker="o", label=arm)
+    ax.set(xlabel="step" if records == "dev" else "epoch")
+    ax.legend()
+    return curves
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:

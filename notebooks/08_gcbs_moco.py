@@ -51,7 +51,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from gcbs_lib.arms import arms_table, mean_over_seeds, rows_of, run_arms
+from gcbs_lib.arms import arms_table, plot_over_seeds, rows_of, run_arms
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.experiments import get
 from gcbs_lib.results import record
@@ -190,11 +190,8 @@ lines = arms_table(summaries, "test_knn_accuracy", None, "the GCBS paper gives n
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.5))
-for arm in arms:
-    steps = [r["step"] for r in summaries[arm, seeds[0]]["dev"]]
-    ax.plot(steps, mean_over_seeds(summaries, arm, "dev", "knn_accuracy"), marker="o", label=arm)
-ax.set(xlabel="step", ylabel="dev kNN accuracy", title=f"MoCo kNN accuracy ({profile} profile, {data})")
-ax.legend()
+plot_over_seeds(ax, summaries, arms, "dev", "knn_accuracy")
+ax.set(ylabel="dev kNN accuracy", title=f"MoCo kNN accuracy ({profile} profile, {data})")
 plt.show()
 
 # %% [markdown]
@@ -208,13 +205,10 @@ plt.show()
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.5))
-for arm in arms:
-    gaps = mean_over_seeds(summaries, arm, "epochs", "loss_gap")
-    ax.plot(range(len(gaps)), gaps, marker="o", label=arm)
+for arm, gaps in plot_over_seeds(ax, summaries, arms, "epochs", "loss_gap").items():
     print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
 print(f"log(N/B) = {torch.log(torch.tensor(train_size / config.batch_size)).item():.4f}")
-ax.set(xlabel="epoch", ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
-ax.legend()
+ax.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
 plt.show()
 
 # %% [markdown]

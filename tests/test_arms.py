@@ -4,7 +4,8 @@ helpers on hand-made run summaries."""
 import pytest
 import torch
 
-from gcbs_lib.arms import arm_configs, arms_table, first_gap_no_larger, mean_over_seeds, rows_of, run_arms
+from gcbs_lib.arms import (arm_configs, arms_table, first_gap_no_larger, mean_over_seeds, plot_over_seeds, rows_of,
+                           run_arms)
 from gcbs_lib.distributed import LaunchError
 from gcbs_lib.train import load_checkpoint
 
@@ -67,6 +68,27 @@ def test_arms_table_pairs_each_arm_with_random_by_seed_and_names_the_stand_in(ca
     printed = capsys.readouterr().out
     assert "NOT STS" in printed and "gensim-testdata-not-sts" in printed
     assert "measured Δ gcbs/test_spearman: +0.0400   paper: +0.0103 (STS avg)" in printed
+
+
+def test_without_a_paper_number_the_table_says_none_reported(capsys):
+    arms_table(SUMMARIES, "test_spearman", None, "no number in the paper")
+    assert "measured Δ gcbs/test_spearman: +0.0400   paper: none reported (no number in the paper)" in capsys.readouterr().out
+
+
+def test_plot_over_seeds_draws_the_seed_means_per_arm():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for records, key in (("epochs", "loss_gap"), ("dev", "spearman")):
+        fig, ax = plt.subplots()
+        dev = {k: {**v, "dev": [{"spearman": d["spearman"], "step": 4 * (i + 1)} for i, d in enumerate(v["dev"])]}
+               for k, v in SUMMARIES.items()}
+        curves = plot_over_seeds(ax, dev, ["random", "gcbs"], records, key)
+        assert curves == {arm: mean_over_seeds(dev, arm, records, key) for arm in ("random", "gcbs")}
+        assert [list(line.get_xdata()) for line in ax.get_lines()] == [[0, 1] if records == "epochs" else [4, 8]] * 2
+        assert ax.get_xlabel() == ("epoch" if records == "epochs" else "step")
+        plt.close(fig)
 
 
 def test_first_gap_no_larger_holds_only_when_it_holds_on_every_seed():
