@@ -11,10 +11,10 @@ Modules, one idea each:
   prefix       PromCSE deep prefix prompts on a frozen encoder
   mining       hard negatives mined with the current model
   train        the one training loop every experiment trains through (python -m gcbs_lib.train)
-  experiments  what train trains: codesearch, simcse, promcse, milnce
+  experiments  what train trains: codesearch, simcse, promcse, milnce, moco
   arms         random vs GCBS (and other) arms on the same seeds, paired Δ
-  data         real-format readers and offline stand-ins: codesearch, sts, howto100m
-  metrics      ranks (ties pessimistic), MRR, R@K, median rank, Spearman
+  data         real-format readers and offline stand-ins: codesearch, sts, howto100m, images
+  metrics      ranks (ties pessimistic), MRR, R@K, median rank, Spearman, weighted kNN accuracy
   seeding      independent random streams named by (seed, epoch, purpose)
   results      result rows and the paper-vs-kit table
   reproduce    the papermill runner behind `make reproduce`

