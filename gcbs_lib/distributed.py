@@ -9,7 +9,8 @@ gathered with `gather_with_grad`, whose backward hands each rank the sum over ra
 own rows (a reduce-scatter), so the ranks' backward passes together give Σ_r dL_r/dθ = W · dL/dθ.
 DistributedDataParallel then averages over ranks, which divides by W: every rank ends with exactly dL/dθ.
 Parameters that DDP does not manage (a learnable logit scale inside the loss) are averaged by
-`all_reduce_gradients`; `gradient_rank_difference` checks that the ranks agree after a step.
+`all_reduce_gradients`; `gradient_rank_difference` (`rank_difference` for any tensors) checks that the ranks
+agree after a step.
 
 `VirtualRanks` writes the same collectives out as tensor arithmetic in one process, for teaching. `launch`
 runs a function of this package under torchrun (notebooks cannot hand their own functions to child
@@ -181,23 +182,29 @@ def all_reduce_gradients(parameters: Iterable[nn.Parameter]) -> None:
             grad.copy_(part.view_as(grad))
 
 
-def gradient_rank_difference(parameters: Iterable[nn.Parameter]) -> float:
-    """The largest difference between ranks in any gradient entry of `parameters` (those with a `.grad`); 0.0
-    means bitwise identical on every rank. Call it after `backward()` in any training loop; 0.0 when not distributed."""
+def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
+    """The largest difference between ranks in any entry of `tensors` (the same sizes on every rank); 0.0 means
+    bitwise identical on every rank, and always when not distributed."""
     _, world_size = rank_and_world_size()
-    grads = [p.grad.detach().reshape(-1) for p in parameters if p.grad is not None]
+    tensors = [t.detach().reshape(-1) for t in tensors]
     if world_size == 1:
         return 0.0
-    device = grads[0].device if grads else torch.device("cpu")
-    flat = torch.cat(grads).to(torch.float64) if grads else torch.zeros(0, dtype=torch.float64, device=device)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flat = torch.cat(tensors).to(torch.float64) if tensors else torch.zeros(0, dtype=torch.float64, device=device)
     sizes = torch.tensor([flat.numel(), -flat.numel()], device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
     if sizes[0] != -sizes[1]:
-        raise ValueError(f"ranks hold different gradient sizes (between {-int(sizes[1])} and {int(sizes[0])} entries)")
+        raise ValueError(f"ranks hold different sizes (between {-int(sizes[1])} and {int(sizes[0])} entries)")
     high, low = flat.clone(), flat.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     return float((high - low).max()) if flat.numel() else 0.0
+
+
+def gradient_rank_difference(parameters: Iterable[nn.Parameter]) -> float:
+    """The largest difference between ranks in any gradient entry of `parameters` (those with a `.grad`); 0.0
+    means bitwise identical on every rank. Call it after `backward()` in any training loop; 0.0 when not distributed."""
+    return rank_difference(p.grad for p in parameters if p.grad is not None)
 
 
 # ---- virtual ranks: the collectives written out in one process ------------------------------------------------

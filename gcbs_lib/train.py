@@ -35,6 +35,12 @@ nodes need the directory on a shared filesystem):
   results.json   result rows (`gcbs_lib.results`) of the best model on the test split.
 A non-finite loss or gradient norm stops the run with `TrainingDiverged` naming the step; nothing is saved
 after it, so the last checkpoint stays the last good state.
+
+Watches. Under DDP every rank must hold the same parameters and, after the all-reduce, the same gradients; with
+`sync_check_every: N` every N-th step compares them across ranks (after the all-reduce, before clipping), logs
+the largest difference as `rank_difference` and stops with `RanksOutOfSync` naming the step when it exceeds
+`sync_tolerance` (0: bitwise equal). A gradient norm above `grad_norm_watch` times the median of the last
+`GRAD_NORM_WINDOW` steps is warned about once per run (stderr, and a `warning` in that step's record).
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 import types
@@ -61,7 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from gcbs_lib import experiments
-from gcbs_lib.distributed import all_reduce_gradients, rank_and_world_size
+from gcbs_lib.distributed import all_reduce_gradients, rank_and_world_size, rank_difference
 from gcbs_lib.gcbs import GCBSBatchSampler, embed_all, loss_gap
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import LogitScale
@@ -72,7 +79,9 @@ from gcbs_lib.seeding import generator, stream_seed
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 SAMPLERS = ("random", "gcbs", "hard_negatives")
 # keys a resumed run may change: they never alter the parameters' trajectory
-RESUMABLE_CHANGES = {"checkpoint_every", "eval_every", "progress", "device"}
+RESUMABLE_CHANGES = {"checkpoint_every", "eval_every", "progress", "device", "sync_check_every", "sync_tolerance",
+                     "grad_norm_watch"}
+GRAD_NORM_WINDOW, GRAD_NORM_MIN_STEPS = 50, 10  # the gradient-norm watch: median of the last 50 steps, from step 11
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -109,6 +118,9 @@ class TrainConfig:
     log_loss_gap: bool = True              # embed the training set at each epoch start to log the loss gap
     eval_every: int = 0                    # dev evaluation every N steps (0: at each epoch end only)
     checkpoint_every: int = 100
+    sync_check_every: int = 0              # DDP: compare parameters and gradients across ranks every N steps (0: off)
+    sync_tolerance: float = 0.0            # the largest difference between ranks the sync check accepts
+    grad_norm_watch: float | None = 10.0   # warn once when a grad norm exceeds this × the recent median (None: off)
     progress: bool = True
     options: Any = None                    # the experiment's Options (filled by `load_config`)
 
@@ -118,6 +130,11 @@ class TrainConfig:
         for key in ("batch_size", "epochs", "embed_batch_size", "checkpoint_every", "mine_top_k"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if self.sync_check_every < 0 or not self.sync_tolerance >= 0:
+            raise ValueError(f"need sync_check_every ≥ 0 and sync_tolerance ≥ 0, got {self.sync_check_every}, "
+                             f"{self.sync_tolerance}")
+        if self.grad_norm_watch is not None and not self.grad_norm_watch > 1:
+            raise ValueError(f"grad_norm_watch must be above 1 or None, got {self.grad_norm_watch}")
         for key in ("chunk_size", "max_steps", "gcbs_top_k"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1 or None, got {getattr(self, key)}")
@@ -260,6 +277,10 @@ class TrainingDiverged(FloatingPointError):
     """A non-finite loss or gradient: the run stops before the broken state reaches any checkpoint."""
 
 
+class RanksOutOfSync(RuntimeError):
+    """DDP ranks hold different parameters or gradients: a bug in the step, never noise."""
+
+
 def _diverged(what: str, step: int, config: TrainConfig) -> TrainingDiverged:
     return TrainingDiverged(
         f"{what} is not finite at step {step + 1}; the run stopped and the last checkpoint (if any) still holds "
@@ -377,6 +398,7 @@ class Trainer:
         self.step, self.epoch, self.position, self.plan = 0, 0, 0, None
         self.best = {"value": None, "step": None}
         self.log_lines = 0
+        self.recent_grad_norms, self.grad_norm_warned = [], False  # the gradient-norm watch (rank 0)
 
     # ---- setup ------------------------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -544,6 +566,7 @@ class Trainer:
             raise _diverged("the loss", self.step, config)
         loss.backward()
         all_reduce_gradients(self.outside_ddp)
+        checked = self._check_sync()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_norm or math.inf)
         if not torch.isfinite(grad_norm):
             raise _diverged("the gradient norm", self.step, config)
@@ -556,7 +579,38 @@ class Trainer:
         if isinstance(self.scale, LogitScale):
             self.scale.clamp_()
         return {"loss": float(global_loss), "lr": lr, "grad_norm": float(grad_norm), "scale": self._scale_value(),
-                "seconds": time.perf_counter() - start}
+                "seconds": time.perf_counter() - start, **checked}
+
+    def _check_sync(self) -> dict:
+        """Every `sync_check_every` steps under DDP (a collective: every rank calls it at the same steps): the
+        largest difference between ranks in any trainable parameter or gradient, refused above `sync_tolerance`."""
+        every = self.config.sync_check_every
+        if self.world_size == 1 or not every or (self.step + 1) % every:
+            return {}
+        difference = rank_difference([*self.parameters, *(p.grad for p in self.parameters if p.grad is not None)])
+        if not difference <= self.config.sync_tolerance:
+            raise RanksOutOfSync(
+                f"ranks out of sync at step {self.step + 1}: parameters or gradients differ between the "
+                f"{self.world_size} ranks by up to {difference:.3g} after the gradient all-reduce (tolerance "
+                f"{self.config.sync_tolerance:g}); the run stopped. Every rank must hold the same model: look for a "
+                f"module called outside its DDP wrapper (through `.module`), a parameter changed on one rank only, "
+                f"or a loss that depends on the rank in a way the all-reduce does not average.")
+        return {"rank_difference": difference}
+
+    def _watch_grad_norm(self, record: dict) -> None:
+        """Rank 0: warn once per run (stderr and `record["warning"]`) when the gradient norm jumps above
+        `grad_norm_watch` × the median of the last `GRAD_NORM_WINDOW` steps; the run goes on."""
+        norms, factor = self.recent_grad_norms, self.config.grad_norm_watch
+        if factor is not None and not self.grad_norm_warned and len(norms) >= GRAD_NORM_MIN_STEPS:
+            median = statistics.median(norms)
+            if record["grad_norm"] > factor * median:
+                record["warning"] = (f"step {record['step']}: gradient norm {record['grad_norm']:.3g} is above "
+                                     f"{factor:g}× the median {median:.3g} of the last {len(norms)} steps (warned "
+                                     f"once per run); spikes often come before a divergence: check the learning "
+                                     f"rate, the logit scale and the batch's data")
+                self.grad_norm_warned = True
+                tqdm.write(f"warning: {record['warning']}", file=sys.stderr)
+        self.recent_grad_norms = [*norms, record["grad_norm"]][-GRAD_NORM_WINDOW:]
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def _evaluate(self, split: str) -> dict[str, float]:
@@ -592,6 +646,10 @@ class Trainer:
         if not resumed and self.main:
             (self.dir / "metrics.jsonl").write_text("")
         already_finished = resumed and self.step >= self.total_steps
+        if resumed and self.main:  # the gradient-norm watch goes on from the steps logged before
+            steps = [r for r in self._records() if r["kind"] == "step"]
+            self.recent_grad_norms = [r["grad_norm"] for r in steps][-GRAD_NORM_WINDOW:]
+            self.grad_norm_warned = any("warning" in r for r in steps)
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (self.config.progress and self.main),
                    desc=f"{self.config.experiment}/{self.config.sampler}/seed{self.config.seed}", dynamic_ncols=True)
@@ -605,7 +663,10 @@ class Trainer:
             batch = self.experiment.collate(self._my_rows(row), negatives)
             record = self._train_step(batch)
             self.step, self.position = self.step + 1, self.position + 1
-            self._log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
+            record = {"kind": "step", "step": self.step, "epoch": self.epoch, **record}
+            if self.main:
+                self._watch_grad_norm(record)
+            self._log(record)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
             epoch_end = self.position == self.steps_per_epoch

@@ -1,6 +1,6 @@
 """Specification of the training loop: config, schedule, atomic checkpoints, bitwise resume after SIGKILL,
-2 gloo processes = 1 process, and the NaN stop. Runs the code-search experiment with the tiny encoder on
-planted pairs written in CodeSearchNet's jsonl layout."""
+2 gloo processes = 1 process, the NaN stop, the gradient-norm watch and the rank-sync check. Runs the code-search
+experiment with the tiny encoder on planted pairs written in CodeSearchNet's jsonl layout."""
 import json
 import os
 import signal
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gcbs_lib.distributed import launch
+from gcbs_lib.distributed import LaunchError, launch
 from gcbs_lib.experiments.codesearch import CodeSearch
-from gcbs_lib.train import (TrainingDiverged, atomic_save, config_from_dict, load_checkpoint,
+from gcbs_lib.train import (Trainer, TrainingDiverged, atomic_save, config_from_dict, launched, load_checkpoint,
                             load_config, lr_factor, parse_overrides, train)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +47,8 @@ def test_overrides_are_typed_by_the_config_field_they_set(data_root):
     ({"sampler": "hard"}, ValueError, "sampler must be one of"),
     ({"bf16": "maybe"}, ValueError, "bf16 must be bool"),
     ({"batch_size": "0"}, ValueError, "batch_size must be at least 1"),
+    ({"sync_check_every": "-1"}, ValueError, "sync_check_every ≥ 0"),
+    ({"grad_norm_watch": "0.5"}, ValueError, "grad_norm_watch must be above 1"),
 ])
 def test_unknown_keys_and_ill_typed_values_are_refused(overrides, error, match):
     with pytest.raises(error, match=match):
@@ -156,10 +158,33 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good
     assert max(steps) == 4
 
 
+def step_records(output_dir) -> list[dict]:
+    return [r for r in map(json.loads, (output_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+
+
+def test_a_gradient_norm_spike_is_warned_about_once_naming_the_step_and_the_run_goes_on(tmp_path, data_root,
+                                                                                       monkeypatch, capsys):
+    calls = {"n": 0}
+    original = CodeSearch.loss
+
+    def loss_that_spikes_at_steps_12_and_15(self, embeddings, batch, scale):
+        calls["n"] += 1
+        loss = original(self, embeddings, batch, scale)
+        return loss * 1000 if calls["n"] in (12, 15) else loss
+
+    monkeypatch.setattr(CodeSearch, "loss", loss_that_spikes_at_steps_12_and_15)
+    config = load_config("codesearch", "ci", settings(data_root, max_steps=16, log_loss_gap="false"))
+    assert train(config, tmp_path)["steps"] == 16
+    warned = [r for r in step_records(tmp_path) if "warning" in r]
+    assert [r["step"] for r in warned] == [12]  # once: the spike at step 15 passes silently
+    assert warned[0]["warning"].startswith("step 12: gradient norm") and "10× the median" in warned[0]["warning"]
+    assert "warning: step 12: gradient norm" in capsys.readouterr().err
+
+
 # ---- data parallel -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides", [
-    {"sampler": "gcbs", "chunk_size": 4, "learnable_scale": "true"},
+    {"sampler": "gcbs", "chunk_size": 4, "learnable_scale": "true", "sync_check_every": 1},
     {"sampler": "hard_negatives", "chunk_size": "none"},
 ], ids=["gcbs-gradcache-learnable-scale", "mined-negatives-plain-backward"])
 def test_two_gloo_processes_train_the_one_process_model_at_the_same_global_batch(tmp_path, data_root, overrides):
@@ -179,3 +204,34 @@ def test_two_gloo_processes_train_the_one_process_model_at_the_same_global_batch
     losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
                if '"kind": "step"' in line] for run in ("one", "two")]
     assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-9)
+    checks = [r.get("rank_difference") for r in step_records(tmp_path / "two")]
+    assert checks == ([0.0] * 4 if config.sync_check_every else [None] * 4)  # the sync check: ranks bitwise equal
+    assert all("rank_difference" not in r for r in step_records(tmp_path / "one"))  # one process: nothing to compare
+
+
+def train_with_rank_1_drifting_before_step_3(config: dict, output_dir: str) -> dict | None:
+    """`launched`, but rank 1 nudges a parameter in place before step 3, behind DDP's back (a torchrun target)."""
+    original = Trainer._train_step
+
+    def drifting_step(self, batch):
+        if self.rank == 1 and self.step == 2:
+            with torch.no_grad():
+                self.parameters[0].add_(1e-3)
+        return original(self, batch)
+
+    Trainer._train_step = drifting_step
+    return launched(config, output_dir)
+
+
+def test_the_sync_check_stops_a_run_whose_ranks_drifted_apart_naming_the_step(tmp_path, data_root, monkeypatch):
+    """DDP averages the gradients, so the drifted ranks would train on, apart, for ever; checked every 2nd step,
+    the drift before step 3 is caught at step 4, after step 2 was checked and logged in sync."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                     os.environ.get("PYTHONPATH")])))
+    config = load_config("codesearch", "ci", settings(data_root, max_steps=6, sync_check_every=2,
+                                                      log_loss_gap="false"))
+    with pytest.raises(LaunchError, match=r"RanksOutOfSync: ranks out of sync at step 4: .* differ between the 2 "
+                                          r"ranks by up to 0\.001"):
+        launch(f"{__name__}:train_with_rank_1_drifting_before_step_3", nproc=2, backend="gloo", echo=False,
+               timeout=240, args={"config": asdict(config), "output_dir": str(tmp_path)})
+    assert [(r["step"], r.get("rank_difference")) for r in step_records(tmp_path)] == [(1, None), (2, 0.0), (3, None)]
