@@ -118,8 +118,9 @@ def loss_rows(args, clock, sync, lines: list[str], on_row) -> list[dict]:
             times = interleaved_trials(steps, args.trials, clock, args.seed, sync)
             settings = [{"clips": clips, "bag_size": args.bag_size, "dim": args.dim, "chunk_size": chunk,
                          "direction": form} for chunk in arms.values()]
-            probes = [loss_peak_memory(settings, args.device) for _ in range(args.memory_repeats)]
-            peaks = {name: statistics.median(p[i] for p in probes) for i, name in enumerate(arms)}
+            peaks = {name: statistics.median(loss_peak_memory([setting], args.device)[0]  # a fresh process each:
+                                             for _ in range(args.memory_repeats))  # after a big step the
+                     for name, setting in zip(arms, settings)}  # heap inflates the next one's rise
             errors = exactness(inputs, form, args.chunks, args.device)
             rounding = errors["rounding"]
             for name, chunk in list(arms.items())[1:]:
@@ -299,9 +300,9 @@ def main(argv=None) -> None:
               f"{CLOCK_TEXT[args.clock]}; median (min–max) over {args.trials} (table 1) and {args.data_trials} "
               f"(table 2) interleaved trials.", ""]
     table1, table2 = [], []
-    notes = [f"Table 1: peak memory is the rise over one step (forward and backward) in a fresh process, above the "
-             f"inputs, median of {args.memory_repeats} probes; it includes the two embedding gradients and the "
-             "gathered bag rows, which every form needs (N·d floats each). The chunked loss streams blocks of "
+    notes = [f"Table 1: peak memory is the rise over one step (forward and backward) in a fresh process per probe, "
+             f"above the inputs, median of {args.memory_repeats} probes; it includes the two embedding gradients "
+             "and the gathered bag rows, which every form needs (N·d floats each). The chunked loss streams blocks of "
              "chunk × chunk scores; its differences from the full loss are float32 round-off, of the size of the "
              "full loss's own distance from float64. Where one block covers all B clips and N captions, the chunked "
              "loss does the full one's arithmetic (Δ = 0) and saves no memory; at small N the N·d-sized tensors "
