@@ -1,7 +1,7 @@
 """Specification of the MoCo experiment: the queue is a ring buffer, the momentum encoder follows the query
 encoder by an exact moving average after each optimizer step and gets no gradients, the views are seeded and
-reproducible, a few steps lower the loss, and both arms train through gcbs_lib.train. Runs on planted images
-written as Fashion-MNIST IDX files."""
+reproducible, a few steps lower the loss, both arms train through gcbs_lib.train and a crashed run resumes its
+queue bitwise. Runs on planted images written as Fashion-MNIST IDX files."""
 import numpy as np
 import pytest
 import torch
@@ -10,7 +10,7 @@ from gcbs_lib.data.images import write_idx
 from gcbs_lib.experiments import get
 from gcbs_lib.experiments.moco import MoCoModel, RandomViews
 from gcbs_lib.seeding import stream_seed
-from gcbs_lib.train import load_checkpoint, load_config, train
+from gcbs_lib.train import Trainer, load_checkpoint, load_config, train
 
 TINY = {"data": "fashion-mnist", "dev_size": 16, "width": 4, "stages": 2, "dim": 8, "queue_size": 32,
         "batch_size": 16, "epochs": 2, "lr": 3e-3, "knn_k": 10, "embed_batch_size": 64, "eval_batch_size": 64,
@@ -154,3 +154,29 @@ def test_both_arms_train_through_the_trainer_and_the_hook_updates_the_key_encode
     for name, k0 in initial.key.named_parameters():
         expected = m * k0 + (1 - m) * state[f"query.{name}"]
         torch.testing.assert_close(state[f"key.{name}"], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_crashed_run_resumes_the_queue_and_ends_bitwise_as_an_uninterrupted_one(image_root, tmp_path, monkeypatch):
+    """Checkpoints every 3 steps; a crash before step 6 leaves the step-3 checkpoint, whose queue already holds
+    trained keys: the rerun must restore it (and its pointer), not start from the random initial queue."""
+    settings = {**TINY, "data_root": str(image_root), "sampler": "gcbs", "checkpoint_every": 3}
+    train(load_config("moco", "ci", settings), tmp_path / "whole")
+    original = Trainer._train_step
+
+    def crash_before_step_6(self, batch):
+        if self.step == 5:
+            raise RuntimeError("killed")
+        return original(self, batch)
+
+    monkeypatch.setattr(Trainer, "_train_step", crash_before_step_6)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(load_config("moco", "ci", settings), tmp_path / "resumed")
+    at_crash = load_checkpoint(tmp_path / "resumed" / "checkpoint.pt")
+    _, initial, _ = experiment_and_model(image_root)
+    assert at_crash["step"] == 3 and int(at_crash["model"]["queue_ptr"]) == 3 * 16 % 32
+    assert not torch.equal(at_crash["model"]["queue"], initial.queue)
+    monkeypatch.setattr(Trainer, "_train_step", original)
+    train(load_config("moco", "ci", settings), tmp_path / "resumed")
+    a, b = (load_checkpoint(tmp_path / run / "checkpoint.pt")["model"] for run in ("whole", "resumed"))
+    assert a.keys() == b.keys() and {"queue", "queue_ptr"} <= set(a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
