@@ -10,8 +10,8 @@ from xml.sax.saxutils import escape
 
 import pytest
 
-from gcbs_lib.data import data_root
-from gcbs_lib.data.sts import (STS_YEARS, WHEEL_FILES, _download_wheel, ensure_sts_standin, load, load_standin,
+from gcbs_lib.data import data_root, pip_wheel
+from gcbs_lib.data.sts import (GENSIM_WHEEL, STS_YEARS, WHEEL_FILES, ensure_sts_standin, load, load_standin,
                                read_nli, read_sentences, senteval_path, wikipedia_sentences)
 
 
@@ -166,7 +166,7 @@ def test_a_wheel_whose_data_differs_from_gensim_4_4_0_is_refused(tmp_path):
 def gensim_wheel():
     """The real gensim 4.4.0 wheel, cached in the kit's data root (fetched with pip once)."""
     try:
-        return _download_wheel(data_root() / "sts" / "downloads")
+        return pip_wheel(GENSIM_WHEEL, data_root() / "sts" / "downloads")
     except RuntimeError as error:
         pytest.skip(f"no gensim wheel and PyPI unreachable: {error}")
 

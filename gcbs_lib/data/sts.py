@@ -180,7 +180,8 @@ def ensure_sts_standin(root: str | Path | None = None, wheel: str | Path | None 
     spec = {"name": STANDIN_NAME, "builder": BUILDER_VERSION, "wheel": GENSIM_WHEEL}
 
     def write(staging: Path) -> dict:
-        members = _wheel_members(Path(wheel) if wheel is not None else _download_wheel(root / "sts" / "downloads"))
+        source = Path(wheel) if wheel is not None else pip_wheel(GENSIM_WHEEL, root / "sts" / "downloads")
+        members = _wheel_members(source)
         return _write_standin(staging, members)
 
     return build_once(root / "sts" / "gensim-standin", spec, write)
@@ -193,11 +194,6 @@ def load_standin(name: str, root: str | Path | None = None) -> Triple:
     path = ensure_sts_standin(root) / f"{name}.tsv"
     rows = [line.split("\t") for line in path.read_text(encoding="utf-8").splitlines()]
     return [r[0] for r in rows], [r[1] for r in rows], [float(r[2]) for r in rows]
-
-
-def _download_wheel(folder: Path) -> Path:
-    """A gensim 4.4.0 wheel in `folder`, fetched with pip when none is there yet."""
-    return pip_wheel(GENSIM_WHEEL, folder)
 
 
 def _wheel_members(wheel: Path) -> dict[str, bytes]:
