@@ -181,14 +181,22 @@ def knn_accuracy(features: torch.Tensor, labels: torch.Tensor, bank: torch.Tenso
     if features.dim() != 2 or bank.dim() != 2 or features.shape[1] != bank.shape[1]:
         raise ValueError(f"features [Q, D] and bank [N, D] must share D, got {tuple(features.shape)} and "
                          f"{tuple(bank.shape)}")
+    if not len(features):
+        raise ValueError("no features to score: an accuracy over no queries is undefined")
     if labels.shape != (len(features),) or bank_labels.shape != (len(bank),):
         raise ValueError("labels and bank_labels need one entry per row of features and bank")
+    if any(y.dtype.is_floating_point or y.dtype == torch.bool or (len(y) and y.min() < 0)
+           for y in (labels, bank_labels)):
+        raise ValueError(f"labels and bank_labels must be integer class indices ≥ 0 (dtypes {labels.dtype}, "
+                         f"{bank_labels.dtype})")
+    if not (torch.isfinite(features).all() and torch.isfinite(bank).all()):
+        raise ValueError("features and bank must be finite (no NaN or inf)")
     if not 1 <= k <= len(bank):
         raise ValueError(f"k must lie in 1..{len(bank)} (the bank's rows), got {k}")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     features, bank = torch.nn.functional.normalize(features, dim=1), torch.nn.functional.normalize(bank, dim=1)
-    classes = int(max(labels.max(), bank_labels.max())) + 1 if len(labels) else 1
+    classes = int(max(labels.max(), bank_labels.max())) + 1
     block_size = block_size or max(1, BLOCK_ELEMENTS // len(bank))
     correct = 0
     for start in range(0, len(features), block_size):
@@ -197,4 +205,4 @@ def knn_accuracy(features: torch.Tensor, labels: torch.Tensor, bank: torch.Tenso
         votes = torch.zeros(len(similarity), classes, dtype=similarity.dtype, device=similarity.device)
         votes.scatter_add_(1, bank_labels[index[:, :k]], (top[:, :k] / temperature).exp())
         correct += (votes.argmax(dim=1) == labels[start:start + block_size]).sum().item()
-    return correct / max(1, len(features))
+    return correct / len(features)

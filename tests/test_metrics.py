@@ -155,3 +155,14 @@ def test_knn_accuracy_counts_correct_queries_in_blocks():
     assert shuffled == 0.0
     with pytest.raises(ValueError, match="k must lie in 1..50"):
         knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=51)
+
+
+@pytest.mark.parametrize("features, labels, bank_labels, message", [
+    (torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), torch.tensor([0, 1]), "no features to score"),
+    (torch.ones(1, 2), torch.tensor([0.0]), torch.tensor([0, 1]), "class indices"),
+    (torch.ones(1, 2), torch.tensor([0]), torch.tensor([0, -1]), "class indices"),
+    (torch.tensor([[float("nan"), 1.0]]), torch.tensor([0]), torch.tensor([0, 1]), "finite"),
+])
+def test_knn_accuracy_refuses_bad_input(features, labels, bank_labels, message):
+    with pytest.raises(ValueError, match=message):
+        knn_accuracy(features, labels, torch.eye(2), bank_labels, k=1)
