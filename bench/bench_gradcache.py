@@ -7,9 +7,11 @@ sentence-transformers' `CachedMultipleNegativesRankingLoss`, on the packaged all
 
 Table 1: step time and peak memory of plain full batch vs GradCache across batch sizes at a fixed chunk.
 Table 2: kit vs peer vs plain at the (batch, chunk) settings, in training mode (dropout 0.1, as in training) and
-in eval mode (no dropout). Every arm runs the same model object on the same tokenised batches (tokenisation is
-outside the timed step) with the same seed before each step; the arms of one trial run back to back, in an
-order that rotates from trial to trial, and ratios are taken within a trial. The texts are (docstring → code)
+in eval mode (no dropout). Table 3 (`--parts`, in place of table 2): the encoder work a chunked step is made of
+(first pass F_ng, forwards F, backwards B) and the kit/peer and kit/plain ratios it bounds. Every arm runs the
+same model object on the same tokenised batches (tokenisation is outside the timed step) with the same seed
+before each step; the arms of one trial run back to back, in an order that rotates from trial to trial, and
+ratios are taken within a trial. The texts are (docstring → code)
 pairs from the Python standard library with at least `--length` word pieces each, cut to exactly that length:
 no padding, so the peer's trimming of all-padding columns per mini-batch has nothing to trim in either arm.
 
