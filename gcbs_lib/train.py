@@ -37,7 +37,7 @@ A non-finite loss or gradient norm stops the run with `TrainingDiverged` naming 
 after it, so the last checkpoint stays the last good state.
 
 Watches. Under DDP every rank must hold the same parameters and, after the all-reduce, the same gradients; with
-`sync_check_every: N` every N-th step compares them across ranks (after the all-reduce, before clipping), logs
+`sync_check_every: N` every N-th step compares them across ranks (after the all-reduce and clipping), logs
 the largest difference as `rank_difference` and stops with `RanksOutOfSync` naming the step when it exceeds
 `sync_tolerance` (0: bitwise equal). A gradient norm above `grad_norm_watch` times the median of the last
 `GRAD_NORM_WINDOW` steps is warned about once per run (stderr, and a `warning` in that step's record).
@@ -566,10 +566,10 @@ class Trainer:
             raise _diverged("the loss", self.step, config)
         loss.backward()
         all_reduce_gradients(self.outside_ddp)
-        checked = self._check_sync()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_norm or math.inf)
         if not torch.isfinite(grad_norm):
             raise _diverged("the gradient norm", self.step, config)
+        checked = self._check_sync()  # after the finiteness check: inf − inf would read as ranks out of sync
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         with torch.no_grad():

@@ -235,3 +235,28 @@ def test_the_sync_check_stops_a_run_whose_ranks_drifted_apart_naming_the_step(tm
         launch(f"{__name__}:train_with_rank_1_drifting_before_step_3", nproc=2, backend="gloo", echo=False,
                timeout=240, args={"config": asdict(config), "output_dir": str(tmp_path)})
     assert [(r["step"], r.get("rank_difference")) for r in step_records(tmp_path)] == [(1, None), (2, 0.0), (3, None)]
+
+
+def train_with_a_nan_gradient_at_step_2(config: dict, output_dir: str) -> dict | None:
+    """`launched`, but the second loss adds sqrt(0·Σ embeddings): the same finite value, NaN gradients."""
+    original, calls = CodeSearch.loss, []
+
+    def loss(self, embeddings, batch, scale):
+        calls.append(1)
+        value = original(self, embeddings, batch, scale)
+        return value + (0 * embeddings[0].sum()).sqrt() if len(calls) == 2 else value
+
+    CodeSearch.loss = loss
+    return launched(config, output_dir)
+
+
+def test_a_nan_gradient_under_the_sync_check_stops_as_diverged_not_as_ranks_out_of_sync(tmp_path, data_root,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                     os.environ.get("PYTHONPATH")])))
+    config = load_config("codesearch", "ci", settings(data_root, max_steps=4, sync_check_every=1, chunk_size="none",
+                                                      log_loss_gap="false"))
+    with pytest.raises(LaunchError, match=r"TrainingDiverged: the gradient norm is not finite at step 2"):
+        launch(f"{__name__}:train_with_a_nan_gradient_at_step_2", nproc=2, backend="gloo", echo=False,
+               timeout=240, args={"config": asdict(config), "output_dir": str(tmp_path)})
+    assert [(r["step"], r.get("rank_difference")) for r in step_records(tmp_path)] == [(1, 0.0)]
