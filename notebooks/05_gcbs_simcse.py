@@ -52,7 +52,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from gcbs_lib.arms import arms_table, first_gap_no_larger, mean_over_seeds, rows_of, run_arms
+from gcbs_lib.arms import arms_table, first_gap_no_larger, plot_over_seeds, rows_of, run_arms
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.results import record
@@ -142,11 +142,8 @@ deltas = arms_table(summaries, "test_spearman", PAPER_DELTA, "STS avg, unsupervi
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.5))
-for arm in arms:
-    steps = [r["step"] for r in summaries[arm, seeds[0]]["dev"]]
-    ax.plot(steps, mean_over_seeds(summaries, arm, "dev", "spearman"), marker="o", label=arm)
-ax.set(xlabel="step", ylabel="dev Spearman ρ", title=f"SimCSE dev Spearman ({profile} profile)")
-ax.legend()
+plot_over_seeds(ax, summaries, arms, "dev", "spearman")
+ax.set(ylabel="dev Spearman ρ", title=f"SimCSE dev Spearman ({profile} profile)")
 plt.show()
 
 # %% [markdown]
@@ -157,12 +154,9 @@ plt.show()
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.5))
-for arm in arms:
-    gaps = mean_over_seeds(summaries, arm, "epochs", "loss_gap")
-    ax.plot(range(len(gaps)), gaps, marker="o", label=arm)
+for arm, gaps in plot_over_seeds(ax, summaries, arms, "epochs", "loss_gap").items():
     print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
-ax.set(xlabel="epoch", ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
-ax.legend()
+ax.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
 plt.show()
 
 # %% [markdown]
