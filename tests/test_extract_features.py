@@ -6,14 +6,13 @@ import importlib.util
 import os
 from pathlib import Path
 
+import imageio_ffmpeg  # pinned in requirements.txt: a missing install fails here rather than skipping the file
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from gcbs_lib.data.howto100m import FeatureStore
-
-imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "data_scripts" / "howto100m_extract_features.py"
 spec = importlib.util.spec_from_file_location("howto100m_extract_features", SCRIPT)
