@@ -4,9 +4,9 @@
 `gcbs_lib.train` run per config, each in its own folder (in this process, or on `nproc` ranks with torchrun), so
 a finished run is loaded from its checkpoint instead of retrained (the same arguments resume). `rows_of`
 collects every run's result rows, `mean_over_seeds` averages a logged quantity (dev scores, epoch loss gaps)
-across seeds (`plot_over_seeds` draws it per arm), and `arms_table` prints the test rows as the kit's results table (mean ± sd over seeds, Δ against
-the "random" arm paired by seed) next to the paper's Δ, and `first_gap_no_larger` checks that an arm's first
-batches were no easier than the baseline's.
+across seeds (`plot_over_seeds` draws it per arm), `arms_table` prints the test rows as the kit's results table
+(mean ± sd over seeds, Δ against the "random" arm paired by seed) next to the paper's Δ, and
+`first_gap_no_larger` checks that an arm's first batches were no easier than the baseline's.
 """
 from __future__ import annotations
 
@@ -63,10 +63,10 @@ def mean_over_seeds(summaries: dict, arm: str, records: str, key: str) -> list[f
 
 def arms_table(summaries: dict, metric: str, paper_delta: float | None, paper: str,
                stand_in: str = "not the paper's data") -> dict[str, TableLine]:
-    """Print the markdown table of every run's test rows and the measured Δ of `metric` next to the paper's (None:
-    the paper gives none);
-    return each non-baseline arm's table line per test metric (keys "arm/metric"; `.delta` ± `.delta_sd` over
-    the seeds it shares with the baseline). `stand_in` says, under the table's data line, what a stand-in is not."""
+    """Print the markdown table of every run's test rows and the measured Δ of `metric` next to the paper's
+    (`paper_delta` None: the paper gives none); return each non-baseline arm's table line per test metric (keys
+    "arm/metric"; `.delta` ± `.delta_sd` over the seeds it shares with the baseline). `stand_in` says, under the
+    table's data line, what a stand-in is not."""
     rows = rows_of(summaries)
     lines = [line for line in build_table([(rows, "")]) if line.metric.startswith("test_")]
     data = rows[0]["data"]
