@@ -13,9 +13,9 @@ reads published pickles without running code.
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
-import glob
 import os
 import pickle
 import shutil
