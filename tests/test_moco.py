@@ -2,13 +2,15 @@
 encoder by an exact moving average after each optimizer step and gets no gradients, the views are seeded and
 reproducible, a few steps lower the loss, both arms train through gcbs_lib.train and a crashed run resumes its
 queue bitwise. Runs on planted images written as Fashion-MNIST IDX files."""
+import copy
+
 import numpy as np
 import pytest
 import torch
 
 from gcbs_lib.data.images import write_idx
 from gcbs_lib.experiments import get
-from gcbs_lib.experiments.moco import MoCoModel, RandomViews
+from gcbs_lib.experiments.moco import MoCoModel, RandomViews, SplitBatchNorm2d
 from gcbs_lib.seeding import stream_seed
 from gcbs_lib.train import Trainer, load_checkpoint, load_config, train
 
@@ -180,3 +182,54 @@ def test_a_crashed_run_resumes_the_queue_and_ends_bitwise_as_an_uninterrupted_on
     a, b = (load_checkpoint(tmp_path / run / "checkpoint.pt")["model"] for run in ("whole", "resumed"))
     assert a.keys() == b.keys() and {"queue", "queue_ptr"} <= set(a)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_split_batchnorm_is_batchnorm_per_group_and_eval_uses_the_mean_running_stats(float64_default):
+    split, plain = SplitBatchNorm2d(3, splits=4), torch.nn.BatchNorm2d(3)
+    with torch.no_grad():
+        split.weight.uniform_(0.5, 2), split.bias.normal_()
+    plain.load_state_dict(split.state_dict())
+    x = torch.randn(16, 3, 5, 5) * 3 + 1
+    groups = [copy.deepcopy(plain) for _ in range(4)]
+    expected = torch.cat([bn(chunk) for bn, chunk in zip(groups, x.chunk(4))])
+    torch.testing.assert_close(split(x), expected, rtol=1e-12, atol=1e-12)
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(split, name), torch.stack([getattr(bn, name) for bn in groups]).mean(0))
+    plain.running_mean.copy_(split.running_mean), plain.running_var.copy_(split.running_var)
+    torch.testing.assert_close(split.eval()(x), plain.eval()(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bn_splits=4 must divide the batch"):
+        split.train()(x[:10])
+
+
+def test_the_key_branch_normalises_each_positive_key_with_other_images_than_its_query():
+    """Plain BatchNorm would give query i and key i the statistics of the same images. The key branch encodes the
+    batch in a shuffled order (drawn after its views from the step's stream) and unshuffles the keys, so key i
+    sits in a split of other images than query i; the keys are those of the shuffled batch, put back in order."""
+    model = MoCoModel(1, 4, 1, 1, dim=8, queue_size=64, views=RandomViews(1), bn_splits=4).train()
+    x = torch.randint(0, 256, (32, 1, 28, 28), dtype=torch.uint8)
+    torch.manual_seed(7)
+    keys = model.key(x)
+    torch.manual_seed(7)
+    params, order = model.key.views.sample(32), torch.randperm(32)
+    model.key.shuffle = False
+    unshuffled = model.key(x, params)
+    torch.testing.assert_close(keys, model.key(x[order], params[order])[order.argsort()])
+    query_split, key_split = torch.arange(32) // 8, order.argsort() // 8
+    key_split_members = [set(order[8 * g:8 * g + 8].tolist()) for g in range(4)]
+    assert all(key_split_members[key_split[i]] != set(range(8 * q, 8 * q + 8)) for i, q in enumerate(query_split))
+    assert (key_split != query_split).float().mean() > 0.5 and not torch.allclose(keys, unshuffled)
+
+
+def test_bad_options_and_images_are_refused(image_root):
+    for overrides, message in (({"dev_size": -1}, "dev_size must be >= 0"),
+                               ({"knn_k": 65}, r"knn_k must lie in \[1, 64\]"),
+                               ({"jitter": 1.5}, r"jitter must lie in \[0, 1\]"),
+                               ({"grayscale_p": -0.1}, r"grayscale_p must lie in \[0, 1\]"),
+                               ({"bn_splits": 0}, "bn_splits must be a positive integer")):
+        with pytest.raises(ValueError, match=message):
+            experiment_and_model(image_root, **overrides)
+    with pytest.raises(ValueError, match=r"float images must lie in \[0, 1\]"):
+        RandomViews(1)(torch.full((2, 1, 4, 4), 255.0))
+    experiment, model, config = experiment_and_model(image_root, bn_splits=3)
+    with pytest.raises(ValueError, match="bn_splits=3 must divide the batch"):
+        model.query(experiment.collate(list(range(16))).inputs[0])

