@@ -43,7 +43,8 @@ from gcbs_lib import measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import ROOT, machine_summary  # noqa: E402  (bench/ is not a package)
-from trials import CLOCK_TEXT, CLOCKS, interleaved_trials, ratios, spread  # noqa: E402
+from trials import (CLOCK_TEXT, CLOCKS, add_run_arguments, interleaved_trials, ratios,  # noqa: E402
+                    rerun_command, spread, write_section)
 
 ARMS = ("plain", "kit", "peer")
 SCALE = 20.0  # the peer's default scale (τ = 0.05)
@@ -262,13 +263,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-chunk", type=int, default=32, help="the fixed chunk of table 1")
     parser.add_argument("--length", type=int, default=32, help="tokens per text")
     parser.add_argument("--trials", type=int, default=5, help="interleaved timed trials per cell")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                        help="wall time, or the process's CPU time (steadier on a shared machine; use one thread)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 trials, to check the script runs")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "gradcache.md")
+    add_run_arguments(parser, ROOT / "docs" / "bench" / "gradcache.md")
     parser.add_argument("--probe-memory", help=argparse.SUPPRESS)  # internal: the fresh process of peak_memory
     args = parser.parse_args(argv)
     if args.quick:
@@ -287,7 +283,7 @@ def main(argv=None) -> None:
     import sentence_transformers
     import transformers
 
-    command = "python bench/bench_gradcache.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = rerun_command("bench/bench_gradcache.py", argv)
     started, machine = datetime.now(timezone.utc), machine_summary()
     model = load_model(args.device)
     count = max([b for b, _ in args.settings] + list(args.memory_batches))
@@ -318,12 +314,8 @@ def main(argv=None) -> None:
                      "tensor per chunk), which is how its measured ratio can fall below the bound.", ""]
 
     def write(done: bool) -> None:
-        """The section so far: rewritten after every row, so a stopped run leaves the rows it finished."""
-        status = [] if done else ["**Incomplete run**: it stopped (or is still running) after the rows above.", ""]
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         tables = [*table1, *([""] if table1 and table2 else []), *table2, "", *(footnote if table2 else [])]
-        args.out.write_text("\n".join([*header, *tables, *status]))
-        print((table2 or table1)[-1], file=sys.stderr, flush=True)
+        write_section(args.out, [*header, *tables], done)
 
     if args.memory_batches:
         memory_table(model, batches, args, clock, sync, table1, lambda: write(done=False))

@@ -49,7 +49,8 @@ from gcbs_lib.losses import mil_nce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import ROOT, machine_summary  # noqa: E402  (bench/ is not a package)
-from trials import CLOCK_TEXT, CLOCKS, interleaved_trials, ratios, spread  # noqa: E402
+from trials import (CLOCK_TEXT, CLOCKS, add_run_arguments, interleaved_trials, ratios,  # noqa: E402
+                    rerun_command, spread, write_section)
 
 TEMPERATURE = 0.07
 FORMS = ("v2t", "both")
@@ -273,13 +274,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--feature-dim", type=int, default=2048, help="feature width per stream (real: 2048)")
     parser.add_argument("--batch", type=int, default=512, help="clips per step in table 2")
     parser.add_argument("--data-trials", type=int, default=10, help="interleaved timed trials of table 2")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                        help="wall time, or the process's CPU time (steadier on a shared machine; use one thread)")
     parser.add_argument("--device", default="cpu", help="where table 1's loss runs (table 2 reads files on the CPU)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 trials, to check the script runs")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "milnce.md")
+    add_run_arguments(parser, ROOT / "docs" / "bench" / "milnce.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.clips, args.chunks, args.dim, args.trials, args.memory_repeats = [16, 64], [32], 32, 2, 1
@@ -291,7 +287,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = "python bench/bench_milnce.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = rerun_command("bench/bench_milnce.py", argv)
     started, machine = datetime.now(timezone.utc), machine_summary()
     clock = CLOCKS[args.clock]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -309,12 +305,8 @@ def main(argv=None) -> None:
              "dominate both arms' peaks.", ""]
 
     def write(done: bool) -> None:
-        """The section so far: rewritten after every row, so a stopped run leaves the rows it finished."""
-        status = [] if done else ["**Incomplete run**: it stopped (or is still running) after the rows above.", ""]
         body = [*table1, *([""] if table1 else []), *(notes if table1 else []), *table2, *([""] if table2 else [])]
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join([*header, *body, *status]))
-        print((table2 or table1)[-1], file=sys.stderr, flush=True)
+        write_section(args.out, [*header, *body], done)
 
     loss_summary = loss_rows(args, clock, sync, table1, lambda: write(done=False)) if args.clips else []
     data_summary = data_rows(args, clock, table2) if args.videos else {}

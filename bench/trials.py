@@ -5,9 +5,12 @@ are taken within a trial, so load that comes and goes hits every arm alike.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -43,3 +46,27 @@ def spread(values: list[float], digits: int = 2) -> str:
 def ratios(times: dict[str, list[float]], a: str, b: str) -> list[float]:
     """Per-trial ratios a / b."""
     return [x / y for x, y in zip(times[a], times[b])]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, out: Path) -> None:
+    """The options every bench script shares: torch threads, clock, seed, a quick check run, the output file."""
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="wall time, or the process's CPU time (steadier on a shared machine; use one thread)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 trials, to check the script runs")
+    parser.add_argument("--out", type=Path, default=out)
+
+
+def rerun_command(script: str, argv: list[str] | None) -> str:
+    """The command line that reruns this measurement, for the section's 'Rerun:' line."""
+    return " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_section(out: Path, lines: list[str], done: bool) -> None:
+    """Write a section, marked incomplete until `done`: scripts rewrite it after every row, so a stopped run
+    leaves the rows it finished. The last line written so far goes to stderr as progress."""
+    status = [] if done else ["**Incomplete run**: it stopped (or is still running) after the rows above.", ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join([*lines, *status]))
+    print(next((line for line in reversed(lines) if line.startswith("|")), ""), file=sys.stderr, flush=True)
