@@ -65,7 +65,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from gcbs_lib import experiments
-from gcbs_lib.arms import arm_configs, arms_table, mean_over_seeds, rows_of, run_arms
+from gcbs_lib.arms import arm_configs, arms_table, plot_over_seeds, rows_of, run_arms
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.results import PAPER_DELTAS, record
 from gcbs_lib.train import load_checkpoint
@@ -155,15 +155,11 @@ delta = arms_table(summaries, "test_mrr", paper.deltas[which],
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-for arm in arms:
-    steps = [point["step"] for point in summaries[arm, seeds[0]]["dev"]]
-    left.plot(steps, mean_over_seeds(summaries, arm, "dev", "mrr"), marker="o", label=arm)
-    gaps = mean_over_seeds(summaries, arm, "epochs", "loss_gap")
-    right.plot(range(len(gaps)), gaps, marker="o", label=arm)
-left.set(xlabel="step", ylabel="dev MRR (mean over seeds)", title="dev MRR")
-right.set(xlabel="epoch", ylabel="L_Global − L_Train", title="loss gap of the batches trained on")
-right.set_xticks(range(len(gaps)))
-left.legend()
+plot_over_seeds(left, summaries, arms, "dev", "mrr")
+gaps = plot_over_seeds(right, summaries, arms, "epochs", "loss_gap")
+left.set(ylabel="dev MRR (mean over seeds)", title="dev MRR")
+right.set(ylabel="L_Global − L_Train", title="loss gap of the batches trained on")
+right.set_xticks(range(len(gaps[arms[0]])))
 plt.tight_layout()
 plt.show()
 

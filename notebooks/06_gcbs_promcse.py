@@ -49,7 +49,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from gcbs_lib.arms import arms_table, first_gap_no_larger, mean_over_seeds, rows_of, run_arms
+from gcbs_lib.arms import arms_table, first_gap_no_larger, plot_over_seeds, rows_of, run_arms
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
@@ -147,15 +147,11 @@ deltas = arms_table(summaries, "test_spearman", PAPER_DELTA, "STS avg, PromCSE",
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-for arm in arms:
-    left.plot([r["step"] for r in summaries[arm, seeds[0]]["dev"]], mean_over_seeds(summaries, arm, "dev", "spearman"),
-              marker="o", label=arm)
-    gaps = mean_over_seeds(summaries, arm, "epochs", "loss_gap")
-    right.plot(range(len(gaps)), gaps, marker="o", label=arm)
+plot_over_seeds(left, summaries, arms, "dev", "spearman")
+for arm, gaps in plot_over_seeds(right, summaries, arms, "epochs", "loss_gap").items():
     print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
-left.set(xlabel="step", ylabel="dev Spearman ρ", title=f"PromCSE dev Spearman ({profile} profile)")
-right.set(xlabel="epoch", ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
-left.legend(), right.legend()
+left.set(ylabel="dev Spearman ρ", title=f"PromCSE dev Spearman ({profile} profile)")
+right.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
 plt.show()
 
 # %% [markdown]
