@@ -481,9 +481,11 @@ class Trainer:
     def _embeddings(self) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         """(z1, z2) of the whole training set from the current model, the seconds computing them took, and
         whether they were reused: runs in one process that start an epoch from the same model state (every arm
-        and seed of a pretrained encoder at epoch 0) share one computation, its time still reported."""
+        and seed of a pretrained encoder at epoch 0) share one computation, its time still reported; also the
+        same seed when the experiment's `pair_embeddings_depend_on_seed`."""
+        seed = self.config.seed if self.experiment.pair_embeddings_depend_on_seed else None
         key = (self.config.experiment, json.dumps(asdict(self.config.options), sort_keys=True), self.config.dtype,
-               str(self.device), _fingerprint(self.model))
+               str(self.device), seed, _fingerprint(self.model))
         if key not in _EMBEDDINGS:
             start = time.perf_counter()
             z1, z2 = embed_all(lambda idx: tuple(z.float().cpu() for z in self.experiment.pair_embeddings(self.model, idx)),

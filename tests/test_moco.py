@@ -1,7 +1,7 @@
 """Specification of the MoCo experiment: the queue is a ring buffer, the momentum encoder follows the query
 encoder by an exact moving average after each optimizer step and gets no gradients, the views are seeded and
-reproducible, a few steps lower the loss, both arms train through gcbs_lib.train and a crashed run resumes its
-queue bitwise. Runs on planted images written as Fashion-MNIST IDX files."""
+reproducible, a few steps lower the loss, both arms train through gcbs_lib.train, a crashed run resumes its
+queue bitwise and the seed-drawn GCBS views keep the trainer from reusing embeddings across seeds. Runs on planted images written as Fashion-MNIST IDX files."""
 import copy
 
 import numpy as np
@@ -233,3 +233,27 @@ def test_bad_options_and_images_are_refused(image_root):
     experiment, model, config = experiment_and_model(image_root, bn_splits=3)
     with pytest.raises(ValueError, match="bn_splits=3 must divide the batch"):
         model.query(experiment.collate(list(range(16))).inputs[0])
+
+
+def first_plan_reuses_embeddings(config, output_dir, initial_state: dict) -> bool:
+    """Whether a one-step run started from `initial_state` planned its first epoch with reused embeddings."""
+    trainer = Trainer(config, output_dir)
+    trainer.model.load_state_dict(initial_state)
+    return trainer.fit()["epochs"][0]["embeddings_reused"]
+
+
+def test_gcbs_embeddings_are_reused_across_seeds_only_when_they_do_not_depend_on_the_seed(image_root, data_root,
+                                                                                           tmp_path):
+    """From one model state: MoCo's pair embeddings (the fixed views are drawn from the seed) are recomputed for
+    another seed and reused for the same seed; code search's (the model and data only) are reused across seeds."""
+    def config(experiment, seed, settings):
+        return load_config(experiment, "ci", {**settings, "seed": seed, "sampler": "gcbs", "max_steps": 1})
+
+    moco = {**TINY, "data_root": str(image_root)}
+    codesearch = {"data": "csn", "data_root": str(data_root), "batch_size": 16, "tiny_dim": 16, "tiny_layers": 1,
+                  "eval_limit": 16, "progress": False}
+    for experiment, settings, expected in (("moco", moco, [False, True]), ("codesearch", codesearch, [True, True])):
+        state = copy.deepcopy(Trainer(config(experiment, 0, settings), tmp_path / "init").model.state_dict())
+        reused = [first_plan_reuses_embeddings(config(experiment, seed, settings), tmp_path / f"{experiment}-{i}", state)
+                  for i, seed in enumerate((0, 1, 1))]
+        assert reused[1:] == expected  # seed 1 after seed 0, then seed 1 again

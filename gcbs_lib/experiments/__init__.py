@@ -73,14 +73,19 @@ class Experiment(ABC):
     """One experiment: data, model, collation, loss, pair embeddings and evaluation (see the module docstring).
 
     Subclasses set `name` (through `@register`), `Options` (a dataclass of their settings) and `dev_metric`
-    (the key of `evaluate(model, "dev")` that is maximised to keep the best checkpoint), and say with
-    `supports_mining` whether `collate` accepts mined negatives.
+    (the key of `evaluate(model, "dev")` that is maximised to keep the best checkpoint), say with
+    `supports_mining` whether `collate` accepts mined negatives, and with `pair_embeddings_depend_on_seed`
+    whether `pair_embeddings` depends on the run seed.
     """
 
     name: ClassVar[str]
     Options: ClassVar[type]
     dev_metric: ClassVar[str]
     supports_mining: ClassVar[bool] = False
+    # False: `pair_embeddings` depends only on the model state, the options and the data, so the trainer reuses
+    # one computation across runs (every arm and seed of a pretrained encoder). True: it also depends on the
+    # run seed (e.g. MoCo's fixed views, drawn from it), and is reused only within a seed.
+    pair_embeddings_depend_on_seed: ClassVar[bool] = False
 
     def __init__(self, options, *, seed: int, device: torch.device):
         if not isinstance(options, self.Options):

@@ -273,6 +273,7 @@ class MoCo(Experiment):
         bn_splits: int = 8                # split BatchNorm groups; must divide the batch of each rank
 
     dev_metric = "knn_accuracy"
+    pair_embeddings_depend_on_seed = True  # the fixed GCBS views are drawn from the run seed
 
     # ---- data -------------------------------------------------------------------------------------------
     def load_data(self) -> TrainSet:
