@@ -5,7 +5,7 @@
 a finished run is loaded from its checkpoint instead of retrained (the same arguments resume). `rows_of`
 collects every run's result rows, `mean_over_seeds` averages a logged quantity (dev scores, epoch loss gaps)
 across seeds (`plot_over_seeds` draws it per arm), `arms_table` prints the test rows as the kit's results table
-(mean ± sd over seeds, Δ against the "random" arm paired by seed) next to the paper's Δ, and
+(mean ± sd over seeds, Δ against the "random" arm paired by seed) with the paper's Δ beside its arm, and
 `first_gap_no_larger` checks that an arm's first batches were no easier than the baseline's.
 """
 from __future__ import annotations
@@ -62,11 +62,11 @@ def mean_over_seeds(summaries: dict, arm: str, records: str, key: str) -> list[f
 
 
 def arms_table(summaries: dict, metric: str, paper_delta: float | None, paper: str,
-               stand_in: str = "not the paper's data") -> dict[str, TableLine]:
-    """Print the markdown table of every run's test rows and the measured Δ of `metric` next to the paper's
-    (`paper_delta` None: the paper gives none); return each non-baseline arm's table line per test metric (keys
-    "arm/metric"; `.delta` ± `.delta_sd` over the seeds it shares with the baseline). `stand_in` says, under the
-    table's data line, what a stand-in is not."""
+               stand_in: str = "not the paper's data", paper_arm: str = "gcbs") -> dict[str, TableLine]:
+    """Print the markdown table of every run's test rows and the measured Δ of `metric` of each arm, the paper's
+    beside `paper_arm`'s (`paper_delta` None: the paper gives none) and "—" beside the others; return each
+    non-baseline arm's table line per test metric (keys "arm/metric"; `.delta` ± `.delta_sd` over the seeds it
+    shares with the baseline). `stand_in` says, under the table's data line, what a stand-in is not."""
     rows = rows_of(summaries)
     lines = [line for line in build_table([(rows, "")]) if line.metric.startswith("test_")]
     data = rows[0]["data"]
@@ -75,9 +75,13 @@ def arms_table(summaries: dict, metric: str, paper_delta: float | None, paper: s
     print(to_markdown(lines))
     deltas = {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
     for key, line in deltas.items():
-        if key.endswith("/" + metric):
-            reported = "none reported" if paper_delta is None else f"{paper_delta:+.4f}"
-            print(f"measured Δ {key}: {line.delta:+.4f}   paper: {reported} ({paper})")
+        if line.metric == metric:
+            if line.arm != paper_arm:
+                reported = f"— (reported for {paper_arm} only)"
+            else:
+                reported = "none reported" if paper_delta is None else f"{paper_delta:+.4f}"
+                reported += f" ({paper})"
+            print(f"measured Δ {key}: {line.delta:+.4f}   paper: {reported}")
     return deltas
 
 

@@ -75,6 +75,15 @@ def test_without_a_paper_number_the_table_says_none_reported(capsys):
     assert "measured Δ gcbs/test_spearman: +0.0400   paper: none reported (no number in the paper)" in capsys.readouterr().out
 
 
+def test_the_paper_delta_is_printed_beside_its_arm_only(capsys):
+    mined = {**SUMMARIES, ("hard_negatives", 0): summary("hard_negatives", 0, 0.49, [1.0], [0.1]),
+             ("hard_negatives", 1): summary("hard_negatives", 1, 0.43, [1.2], [0.3])}
+    arms_table(mined, "test_spearman", 0.0103, "STS avg, GCBS − random")
+    measured = [line for line in capsys.readouterr().out.splitlines() if line.startswith("measured")]
+    assert measured == ["measured Δ gcbs/test_spearman: +0.0400   paper: +0.0103 (STS avg, GCBS − random)",
+                        "measured Δ hard_negatives/test_spearman: +0.0100   paper: — (reported for gcbs only)"]
+
+
 def test_plot_over_seeds_draws_the_seed_means_per_arm():
     import matplotlib
     matplotlib.use("Agg")
