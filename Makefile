@@ -12,6 +12,9 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 TORCH_INDEX_URL ?=
 ARGS ?=
 LAB_ARGS ?=
+# The step benchmarks (GradCache, MIL-NCE) time one thread by the process's CPU time: steady on a shared CPU. On a
+# GPU node: make bench BENCH_STEP_ARGS="--device cuda" (wall time; CPU time misses the GPU's work).
+BENCH_STEP_ARGS ?= --threads 1 --clock process
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 
 .PHONY: help install lab test unit nbval sync-check reproduce notebooks bench clean
@@ -55,9 +58,11 @@ notebooks: $(STAMP)  ## sync each edited .py into its .ipynb and re-execute it i
 	  (cd notebooks && ../$(BIN)/jupyter execute --inplace "$$(basename $${py%.py}.ipynb)") || exit 1; \
 	done
 
-bench: $(STAMP)  ## run bench/bench_*.py (many minutes; installs the peers in bench/requirements.txt) → docs/benchmarks.md
+bench: $(STAMP)  ## run the bench/ scripts (about 100 min on 2 cores; installs bench/requirements.txt) → docs/benchmarks.md
 	$(BIN)/python -m pip install --quiet -c requirements.txt -r bench/requirements.txt
-	for script in bench/bench_*.py; do $(BIN)/python "$$script" || exit 1; done
+	$(BIN)/python bench/bench_gcbs.py
+	$(BIN)/python bench/bench_gradcache.py $(BENCH_STEP_ARGS)
+	$(BIN)/python bench/bench_milnce.py $(BENCH_STEP_ARGS)
 	$(BIN)/python bench/report.py
 
 clean:  ## remove the virtual environment and run outputs

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -44,7 +42,8 @@ from gcbs_lib.gcbs import (_BINS, _HIGH_IN_VALUE_ORDER, _float32_at_most, _halve
                            synthetic_pairs)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trials import spread  # noqa: E402  (bench/ is not a package)
+from report import machine_summary  # noqa: E402  (bench/ is not a package)
+from trials import spread  # noqa: E402
 
 FEATURES = 128
 DEFAULT_MARKDOWN = "docs/bench/gcbs.md"
@@ -179,28 +178,13 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def machine(device: torch.device) -> str:
-    """One line describing where the numbers come from."""
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").exists():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    where = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads"
-    if device.type == "cuda":
-        where += f", GPU {torch.cuda.get_device_name(device)}"
-    if hasattr(os, "getloadavg"):
-        where += f", load average {os.getloadavg()[0]:.1f} at the start (the machine may be shared)"
-    return where
-
-
 def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
     slow = max(rows, key=lambda r: r["n"])
     fallbacks = sum(r["passes"] > 1 for r in rows)
     return "\n".join([
         f"## GCBS permutation against N (d = {args.dim}, q = {args.quantile}, {args.device})",
         "",
-        f"Machine: {machine(torch.device(args.device))}.",
+        f"Machine: {machine_summary()}; {torch.get_num_threads()} torch threads.",
         "",
         f"Command: `{command}`",
         "",
@@ -252,7 +236,7 @@ def main() -> None:
                         help="embeddings: planted clusters of about 50 items and/or isotropic Gaussian")
     parser.add_argument("--repeats", type=int, nargs="+",
                         help="interleaved trials per N: one number for every N, or one per N "
-                             "(default 3 below N = 100k, 2 from there)")
+                             "(default 3 below N = 100k, 1 from there: a 200k trial pair takes about 25 minutes)")
     parser.add_argument("--two-pass-max", type=int, default=30000,
                         help="largest N at which to time the former two-pass kit and compare results (0: never)")
     parser.add_argument("--published-max", type=int, default=10000,
@@ -263,7 +247,7 @@ def main() -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="run under torch.distributed.run: ranks split the similarity rows (prints only)")
     args = parser.parse_args()
-    args.repeats = args.repeats or [3 if n < 100000 else 2 for n in args.sizes]
+    args.repeats = args.repeats or [3 if n < 100000 else 1 for n in args.sizes]
     if len(args.repeats) not in (1, len(args.sizes)):
         parser.error(f"give one --repeats value or one per size ({len(args.sizes)})")
     if args.distributed:

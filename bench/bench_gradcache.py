@@ -1,14 +1,14 @@
 """GradCache step cost: the kit's `cached_loss` against plain full-batch training and against
 sentence-transformers' `CachedMultipleNegativesRankingLoss`, on the packaged all-MiniLM-L6-v2.
 
-    python bench/bench_gradcache.py                                     # both tables → docs/bench/gradcache.md
-    python bench/bench_gradcache.py --threads 1 --clock process         # on a shared, loaded machine
+    python bench/bench_gradcache.py                                     # all three tables → docs/bench/gradcache.md
+    python bench/bench_gradcache.py --threads 1 --clock process         # on a shared, loaded machine (make bench)
     python bench/bench_gradcache.py --quick --out /tmp/gradcache.md     # tiny sizes: does it run?
 
 Table 1: step time and peak memory of plain full batch vs GradCache across batch sizes at a fixed chunk.
 Table 2: kit vs peer vs plain at the (batch, chunk) settings, in training mode (dropout 0.1, as in training) and
-in eval mode (no dropout). Table 3 (`--parts`, in place of table 2): the encoder work a chunked step is made of
-(first pass F_ng, forwards F, backwards B) and the kit/peer and kit/plain ratios it bounds. Every arm runs the
+in eval mode (no dropout). Table 3 (`--no-parts` skips it): the encoder work a chunked step is made of (first pass
+F_ng, forwards F, backwards B) and the kit/peer and kit/plain ratios it bounds. Every arm runs the
 same model object on the same tokenised batches (tokenisation is outside the timed step) with the same seed
 before each step; the arms of one trial run back to back, in an order that rotates from trial to trial, and
 ratios are taken within a trial. The texts are (docstring → code)
@@ -237,7 +237,7 @@ def parts_table(model, batches, args, clock, sync, lines: list[str], on_row: Cal
             f_ng, f, fb, plain = (statistics.median(times[k]) for k in ("first pass", "forward", "forward+backward",
                                                                           "whole"))
             n = -(-batch // chunk)
-            kit, peer = f_ng * (n - 1) / n + fb, f_ng + fb
+            kit, peer = f_ng * (1 - 1 / (len(sized) * n)) + fb, f_ng + fb
             lines.append(f"| {mode} | {batch} | {chunk} | {n} | {f_ng:.2f} | {f:.2f} | {fb - f:.2f} | {plain:.2f} "
                          f"| {kit / peer:.2f} | {kit / plain:.2f} |")
             on_row()
@@ -255,11 +255,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                 "none: skip it)")
     parser.add_argument("--modes", nargs="+", choices=["train", "eval"], default=["train", "eval"],
                         help="table 2 in training mode (dropout) and/or eval mode (no dropout)")
-    parser.add_argument("--memory-batches", type=int, nargs="*", default=[32, 64, 128, 256],
+    parser.add_argument("--memory-batches", type=int, nargs="*", default=[32, 64, 128],
                         help="batch sizes of table 1 (none: skip it)")
-    parser.add_argument("--parts", action="store_true",
-                        help="table 3 in place of table 2: the first pass, forward and backward of each setting "
-                             "and the bound they give")
+    parser.add_argument("--parts", action=argparse.BooleanOptionalAction, default=True,
+                        help="table 3 after table 2: the first pass, forward and backward of each setting and the "
+                             "bound they give")
     parser.add_argument("--memory-chunk", type=int, default=32, help="the fixed chunk of table 1")
     parser.add_argument("--length", type=int, default=32, help="tokens per text")
     parser.add_argument("--trials", type=int, default=5, help="interleaved timed trials per cell")
@@ -301,28 +301,30 @@ def main(argv=None) -> None:
               f"{args.length} tokens per text, InfoNCE with scale {SCALE:g} (the peer's MultipleNegativesRanking "
               f"loss). One step = forward and backward of a batch of queries and its documents, no optimizer "
               f"update. Both GradCache arms hold one chunk's graph at a time.", ""]
-    table1, table2 = [], []
-    footnote = ["The kit-vs-peer gradient column is the relative difference ‖g_kit − g_peer‖ / ‖g_peer‖ of one "
-                "step from the same seed: the same dropout masks, float32 round-off apart.", ""]
-    if args.parts:
-        footnote = ["Table 3 times the encoder work alone, summed over both branches' chunks: F_ng the no-grad first "
-                     "pass, F the forwards with a graph, B the backwards (forward+backward − forward, with dense "
-                     "embedding gradients, as the peer and plain training pay them). With n chunks per branch the "
-                     "peer costs F_ng + F + B, the kit (which keeps the last chunk's graph) F_ng·(n−1)/n + F + B and "
-                     "plain F + B at chunk = batch; the bound columns are these ratios. The kit's replays add the "
-                     "word-embedding gradient sparsely (the rows of the chunk's tokens, not a dense 30522 × 384 "
-                     "tensor per chunk), which is how its measured ratio can fall below the bound.", ""]
+    tables = {"memory": [], "peer": [], "parts": []}  # tables 1, 2 and 3, each written as it fills
+    notes = {"peer": ["The kit-vs-peer gradient column is the relative difference ‖g_kit − g_peer‖ / ‖g_peer‖ of "
+                      "one step from the same seed: the same dropout masks, float32 round-off apart.", ""],
+             "parts": ["Table 3 times the encoder work alone, summed over both branches' chunks: F_ng the no-grad "
+                       "first pass, F the forwards with a graph, B the backwards (forward+backward − forward, with "
+                       "dense embedding gradients, as the peer and plain training pay them). With m chunks in all "
+                       "(n per branch, two branches) the peer costs F_ng + F + B, the kit (which keeps the graph of "
+                       "one chunk, the last, instead of replaying it) F_ng·(m−1)/m + F + B and plain F + B at "
+                       "chunk = batch; the bound columns are these ratios. The kit's replays add the word-embedding "
+                       "gradient sparsely (the rows of the chunk's tokens, not a dense 30522 × 384 tensor per "
+                       "chunk), which is how its measured ratio can fall below the bound.", ""]}
 
     def write(done: bool) -> None:
-        tables = [*table1, *([""] if table1 and table2 else []), *table2, "", *(footnote if table2 else [])]
-        write_section(args.out, [*header, *tables], done)
+        body = [line for name, lines in tables.items() if lines for line in [*lines, "", *notes.get(name, [])]]
+        write_section(args.out, [*header, *body], done)
+
+    def on_row() -> None:
+        write(done=False)
 
     if args.memory_batches:
-        memory_table(model, batches, args, clock, sync, table1, lambda: write(done=False))
-    if args.parts:
-        parts_table(model, batches, args, clock, sync, table2, lambda: write(done=False))
-    summary = (peer_table(model, batches, args, clock, sync, table2, lambda: write(done=False))
-               if args.settings and not args.parts else {})
+        memory_table(model, batches, args, clock, sync, tables["memory"], on_row)
+    summary = peer_table(model, batches, args, clock, sync, tables["peer"], on_row) if args.settings else {}
+    if args.settings and args.parts:
+        parts_table(model, batches, args, clock, sync, tables["parts"], on_row)
     write(done=True)
     print(json.dumps(summary, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)

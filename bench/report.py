@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,7 +45,18 @@ def machine_summary() -> str:
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
     return (f"{_cpu_model()}, {os.cpu_count()} logical cores, {_memory_gib()} RAM, {gpu}; {platform.system()} "
             f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}; "
-            f"load average (1/5/15 min) {load}")
+            f"load average (1/5/15 min) {load}; {_code_version()}")
+
+
+def _code_version() -> str:
+    """The kit's git commit, marked when the working tree has uncommitted changes."""
+    try:
+        git = ["git", "-C", str(ROOT)]
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        return f"kit at commit {commit.stdout.strip()}{' with uncommitted changes' if dirty.stdout.strip() else ''}"
+    except (OSError, subprocess.CalledProcessError):
+        return "kit commit unknown (not a git checkout)"
 
 
 def build_report(sections: Path = SECTIONS) -> str:
