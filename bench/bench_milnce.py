@@ -119,9 +119,8 @@ def loss_rows(args, clock, sync, lines: list[str], on_row) -> list[dict]:
             times = interleaved_trials(steps, args.trials, clock, args.seed, sync)
             settings = [{"clips": clips, "bag_size": args.bag_size, "dim": args.dim, "chunk_size": chunk,
                          "direction": form} for chunk in arms.values()]
-            peaks = {name: statistics.median(loss_peak_memory([setting], args.device)[0]  # a fresh process each:
-                                             for _ in range(args.memory_repeats))  # after a big step the
-                     for name, setting in zip(arms, settings)}  # heap inflates the next one's rise
+            probes = [loss_peak_memory(settings, args.device) for _ in range(args.memory_repeats)]
+            peaks = dict(zip(arms, map(statistics.median, zip(*probes))))
             errors = exactness(inputs, form, args.chunks, args.device)
             rounding = errors["rounding"]
             for name, chunk in list(arms.items())[1:]:

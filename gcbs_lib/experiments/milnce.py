@@ -17,9 +17,6 @@ MSR-VTT).
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import json
 import os
 import shutil
@@ -332,30 +329,26 @@ def _loss_step(setting: dict, device: str):
 def loss_peak_memory(settings: list[dict], device: str = "cpu") -> list[int]:
     """Peak bytes of one `mil_nce` forward and backward above its inputs, for each setting `{"clips",
     "bag_size", "dim", "chunk_size", "direction"}`: the CUDA allocator's peak, or on CPU the peak resident set
-    of a fresh process (`gcbs_lib.measure.memory_method`)."""
-    if not device.startswith("cuda"):
-        result = subprocess.run([sys.executable, "-m", "gcbs_lib.experiments.milnce", json.dumps(settings)],
-                                capture_output=True, text=True, timeout=600)
-        if result.returncode:
-            raise RuntimeError(f"memory probe failed:\n{result.stderr}")
-        return json.loads(result.stdout.splitlines()[-1])
-    return [memory_rise(_loss_step(setting, device), "cuda") for setting in settings]
+    of a fresh process per setting (`gcbs_lib.measure.memory_method`), so no setting reuses pages an earlier
+    one left resident."""
+    if device.startswith("cuda"):
+        return [memory_rise(_loss_step(setting, device), "cuda") for setting in settings]
+    return [_fresh_process_peak(setting) for setting in settings]
 
 
-def _cpu_peaks(settings: list[dict]) -> list[int]:
-    """Each setting's peak in this process, memory freed by the previous one handed back to the system first
-    (glibc's `malloc_trim`), so a step cannot reuse pages already resident."""
-    method = memory_method("cpu")
-    trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    _loss_step({"clips": 4, "bag_size": 2, "dim": 4, "chunk_size": 2, "direction": "both"}, "cpu")()  # warm up
-    peaks = []
-    for setting in settings:
-        step = _loss_step(setting, "cpu")
-        gc.collect()
-        trim(0)
-        peaks.append(memory_rise(step, method))
-    return peaks
+def _fresh_process_peak(setting: dict) -> int:
+    result = subprocess.run([sys.executable, "-m", "gcbs_lib.experiments.milnce", json.dumps(setting)],
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode:
+        raise RuntimeError(f"memory probe failed for {setting}:\n{result.stderr}")
+    return int(result.stdout.split()[-1])
+
+
+def _cpu_peak(setting: dict) -> int:
+    """The setting's peak in this (fresh) process, after a tiny warm-up step (lazily allocated state)."""
+    _loss_step({"clips": 4, "bag_size": 2, "dim": 4, "chunk_size": 2, "direction": "both"}, "cpu")()
+    return memory_rise(_loss_step(setting, "cpu"), memory_method("cpu"))
 
 
 if __name__ == "__main__":  # the fresh process behind loss_peak_memory on CPU
-    print(json.dumps(_cpu_peaks(json.loads(sys.argv[1]))))
+    print(_cpu_peak(json.loads(sys.argv[1])))
