@@ -182,23 +182,64 @@ def all_reduce_gradients(parameters: Iterable[nn.Parameter]) -> None:
             grad.copy_(part.view_as(grad))
 
 
-def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
-    """The largest difference between ranks in any entry of `tensors` (the same sizes on every rank); 0.0 means
-    bitwise identical on every rank, and always when not distributed."""
+RANK_DIFFERENCE_BUCKET = 2**24  # entries `rank_difference` compares at a time
+
+
+def rank_difference(tensors: Iterable[torch.Tensor], bucket_size: int = RANK_DIFFERENCE_BUCKET) -> float:
+    """The largest difference between ranks in any entry of `tensors` (the same sizes and dtypes on every rank);
+    0.0 means bitwise identical on every rank, and always when not distributed. Entries are compared at most
+    `bucket_size` at a time, in their own dtype (only a bucket's difference is taken in float64), so the check
+    needs a few buckets of memory whatever the size of the model."""
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be at least 1, got {bucket_size}")
     _, world_size = rank_and_world_size()
     tensors = [t.detach().reshape(-1) for t in tensors]
     if world_size == 1:
         return 0.0
     device = tensors[0].device if tensors else torch.device("cpu")
-    flat = torch.cat(tensors).to(torch.float64) if tensors else torch.zeros(0, dtype=torch.float64, device=device)
-    sizes = torch.tensor([flat.numel(), -flat.numel()], device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    if sizes[0] != -sizes[1]:
-        raise ValueError(f"ranks hold different sizes (between {-int(sizes[1])} and {int(sizes[0])} entries)")
-    high, low = flat.clone(), flat.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    return float((high - low).max()) if flat.numel() else 0.0
+    buckets = _buckets(tensors, bucket_size)
+    (total, count), (fewest, _) = _over_ranks([sum(t.numel() for t in tensors), len(buckets)], device)
+    if total != fewest:
+        raise ValueError(f"ranks hold different sizes (between {fewest} and {total} entries)")
+    largest = 0.0
+    for bucket in [*buckets, *[[]] * (count - len(buckets))]:  # a rank with fewer buckets still joins the checks
+        layout = [_DTYPES.index(bucket[0].dtype) if bucket and bucket[0].dtype in _DTYPES else len(_DTYPES),
+                  sum(piece.numel() for piece in bucket)]
+        high_layout, low_layout = _over_ranks(layout, device)
+        if high_layout != low_layout:
+            raise ValueError(f"ranks hold tensors of different dtypes or sizes ({total} entries in all)")
+        high = torch.cat(bucket)
+        high = high.view(torch.uint8) if high.dtype == torch.bool else high
+        low = high.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        spread = high.to(torch.float64)
+        spread -= low
+        largest = max(largest, float(spread.max()))
+    return largest
+
+
+def _buckets(tensors: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    """The flat `tensors`, in order, cut into buckets of pieces (views) of one dtype and at most `size` entries."""
+    buckets, filled = [], size
+    for tensor in tensors:
+        start = 0
+        while start < tensor.numel():
+            if filled == size or buckets[-1][0].dtype != tensor.dtype:
+                buckets.append([])
+                filled = 0
+            piece = tensor[start:start + size - filled]
+            buckets[-1].append(piece)
+            filled += piece.numel()
+            start += piece.numel()
+    return buckets
+
+
+def _over_ranks(values: list[int], device: torch.device) -> tuple[list[int], list[int]]:
+    """The largest and the smallest of each of `values` over ranks (one all-reduce)."""
+    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return both[:len(values)].tolist(), (-both[len(values):]).tolist()
 
 
 def gradient_rank_difference(parameters: Iterable[nn.Parameter]) -> float:

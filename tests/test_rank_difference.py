@@ -1,0 +1,83 @@
+"""Specification of `rank_difference` on 2 gloo ranks: the largest difference in any entry, the same whether the
+tensors are compared in one bucket or in many, and a clear error on every rank when the ranks' tensors differ in
+size or dtype."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gcbs_lib.distributed import launch, rank_and_world_size, rank_difference
+
+
+def rank_tensors(rank: int) -> list[torch.Tensor]:
+    """Seeded float32, float64, empty and float16 tensors; rank 1 holds them nudged in one entry each."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(7, 5, generator=g), torch.randn(13, generator=g, dtype=torch.float64), torch.zeros(0),
+               torch.randn(3, 4, generator=g).half()]
+    if rank == 1:
+        tensors[0][2, 3] += 0.25
+        tensors[1][-1] -= 0.5
+        tensors[3][1, 1] += 1.0
+    return tensors
+
+
+def _raised_on(function, *args, **kwargs) -> tuple[int, str]:
+    """On how many ranks `function` raised a ValueError, and this rank's message."""
+    try:
+        function(*args, **kwargs)
+        message = ""
+    except ValueError as error:
+        message = str(error)
+    count = torch.tensor(int(bool(message)))
+    dist.all_reduce(count)
+    return int(count), message
+
+
+def checks(bucket_sizes: list[int]) -> dict:
+    """On every rank (a torchrun target): the rank difference of `rank_tensors` with each bucket size, of
+    identical tensors, and the errors of ranks holding different sizes or dtypes."""
+    rank, _ = rank_and_world_size()
+    mine, same = rank_tensors(rank), rank_tensors(0)
+    longer = [*same, torch.zeros(rank)]
+    other_dtype = [t.double() if rank and t.dtype == torch.float32 else t for t in same]
+    split_dtype = [torch.zeros(8)] if rank else [torch.zeros(4), torch.zeros(4, dtype=torch.float64)]
+    return {"differences": [rank_difference(mine, bucket_size=b) for b in bucket_sizes],
+            "identical": [rank_difference(same, bucket_size=b) for b in bucket_sizes],
+            "empty": rank_difference([]),
+            "sizes": _raised_on(rank_difference, longer),
+            "dtypes": _raised_on(rank_difference, other_dtype, bucket_size=4),
+            "bucket_count": _raised_on(rank_difference, split_dtype)}
+
+
+@pytest.fixture(scope="module")
+def job():
+    with pytest.MonkeyPatch.context() as patch:  # the ranks import this module
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                 os.environ.get("PYTHONPATH")])))
+        return launch(f"{__name__}:checks", nproc=2, args={"bucket_sizes": [2**24, 16, 4, 1]}, timeout=120,
+                      echo=False)
+
+
+def test_the_difference_is_the_largest_in_any_entry_whatever_the_bucket_size(job):
+    expected = float(torch.cat([(a.double() - b.double()).abs().reshape(-1)
+                                for a, b in zip(rank_tensors(0), rank_tensors(1))]).max())
+    assert expected == pytest.approx(1.0, abs=1e-2)  # the float16 entry's nudge is the largest
+    assert job["differences"] == [expected] * 4
+
+
+def test_identical_tensors_and_no_tensors_differ_by_zero(job):
+    assert job["identical"] == [0.0] * 4 and job["empty"] == 0.0
+
+
+def test_ranks_holding_different_sizes_or_dtypes_all_raise(job):
+    assert job["sizes"][0] == 2 and "different sizes (between 60 and 61 entries)" in job["sizes"][1]
+    for case in ("dtypes", "bucket_count"):
+        assert job[case][0] == 2 and "different dtypes or sizes" in job[case][1], case
+
+
+def test_one_process_has_nothing_to_compare():
+    assert rank_difference(rank_tensors(0)) == 0.0
+    with pytest.raises(ValueError, match="bucket_size"):
+        rank_difference(rank_tensors(0), bucket_size=0)
