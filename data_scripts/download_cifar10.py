@@ -1,6 +1,7 @@
 """Download CIFAR-10 (python version) from its publisher into `<data root>/images/` and unpack it there as
-`cifar-10-batches-py/` (idempotent: files already there are kept), the folder `gcbs_lib.data.images.load("cifar10",
-split)` reads.
+`cifar-10-batches-py/`, the folder `gcbs_lib.data.images.load("cifar10", split)` reads. Idempotent: a folder
+that already holds every batch is kept and nothing is downloaded (even when the archive was deleted); an
+archive already there is not fetched again.
 
     python data_scripts/download_cifar10.py [--root DIR]
 
@@ -11,10 +12,13 @@ so none is recorded: record it in SHA256 to have it enforced). Offline, the MoCo
 """
 import hashlib
 import sys
-import tarfile
 from pathlib import Path
 
 from gcbs_lib.data import download, download_main, print_checksum
+from gcbs_lib.data.images import CIFAR10_FILES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from download_sts import unpack  # noqa: E402  (data_scripts/ is not a package)
 
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 MD5 = "c58f30108f718f92721af3b95e74349a"  # published on the CIFAR page
@@ -22,16 +26,16 @@ SHA256 = None  # unknown here: see the docstring
 
 
 def fetch(root: Path) -> Path:
+    folder = root / "images" / "cifar-10-batches-py"
+    if all((folder / name).is_file() for names in CIFAR10_FILES.values() for name in names):
+        return folder
     archive = download(URL, root / "images" / "cifar-10-python.tar.gz", SHA256)
     print_checksum(archive, SHA256)
     md5 = hashlib.md5(archive.read_bytes()).hexdigest()
     if md5 != MD5:
         archive.unlink()
         raise ValueError(f"{archive.name}: MD5 {md5} differs from the published {MD5}; file removed")
-    folder = root / "images" / "cifar-10-batches-py"
-    if not (folder / "test_batch").is_file():
-        with tarfile.open(archive) as tar:
-            tar.extractall(root / "images", filter="data")  # refuses members outside the folder, links, devices
+    unpack(archive, root / "images")  # refuses members outside the folder and links
     return folder
 
 
