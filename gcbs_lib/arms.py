@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gcbs_lib.distributed import launch
-from gcbs_lib.results import TableLine, build_table, to_markdown
+from gcbs_lib.results import TableLine, build_table, number, to_markdown
 from gcbs_lib.train import TrainConfig, load_config, train
 
 LAUNCH_TIMEOUT = 24 * 3600.0  # seconds one torchrun run may take before it is stopped
@@ -81,7 +81,7 @@ def arms_table(summaries: dict, metric: str, paper_delta: float | None, paper: s
             else:
                 reported = "none reported" if paper_delta is None else f"{paper_delta:+.4f}"
                 reported += f" ({paper})"
-            print(f"measured Δ {key}: {line.delta:+.4f}   paper: {reported}")
+            print(f"measured Δ {key}: {number(line.delta, line.mean, signed=True)}   paper: {reported}")
     return deltas
 
 

@@ -194,13 +194,21 @@ def build_table(sources: Iterable[tuple[list[dict], str]], *,
     return lines
 
 
-def _number(x: float) -> str:
-    return f"{x:.4g}"
+SIGNIFICANT = 4  # digits the table shows of a mean; its sd, Δ and Δ's sd are rounded to the same decimals
 
 
-def _with_sd(mean: float, sd: float | None, signed: bool = False) -> str:
-    text = f"{mean:+.4g}" if signed else _number(mean)
-    return text if sd is None else f"{text} ± {sd:.2g}"
+def number(x: float, scale: float | None = None, *, digits: int = SIGNIFICANT, signed: bool = False) -> str:
+    """`x` rounded to the decimals that show `scale` (default, or when 0: `x` itself) to `SIGNIFICANT` significant
+    digits, then written with `digits` significant digits: float round-off far below `scale` (a Δ of two equal
+    means, −3.7e-17) prints as 0, never −0."""
+    magnitude = abs(scale or x)
+    decimals = SIGNIFICANT - 1 - math.floor(math.log10(magnitude)) if magnitude else 0
+    return f"{round(x, decimals) + 0.0:{'+' if signed else ''}.{digits}g}"  # + 0.0 turns −0.0 into 0.0
+
+
+def _with_sd(value: float, sd: float | None, scale: float, signed: bool = False) -> str:
+    text = number(value, scale, signed=signed)
+    return text if sd is None else f"{text} ± {number(sd, scale, digits=2)}"
 
 
 COLUMNS = ("experiment", "arm", "metric", "paper Δ", "kit (mean ± sd, n seeds)", f"Δ vs {BASELINE_ARM}", "data",
@@ -208,11 +216,12 @@ COLUMNS = ("experiment", "arm", "metric", "paper Δ", "kit (mean ± sd, n seeds)
 
 
 def to_markdown(lines: list[TableLine]) -> str:
-    """The table as GitHub markdown."""
+    """The table as GitHub markdown: each mean to `SIGNIFICANT` significant digits, its sd, Δ and Δ's sd rounded
+    to the same decimals (see `number`)."""
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for line in lines:
-        kit = "not run yet" if line.mean is None else f"{_with_sd(line.mean, line.sd)} (n={line.seeds})"
-        delta = line.delta_note if line.delta is None else _with_sd(line.delta, line.delta_sd, signed=True)
+        kit = "not run yet" if line.mean is None else f"{_with_sd(line.mean, line.sd, line.mean)} (n={line.seeds})"
+        delta = line.delta_note if line.delta is None else _with_sd(line.delta, line.delta_sd, line.mean, signed=True)
         cells = (line.experiment, line.arm, line.metric, line.paper or "—", kit, delta or "—", line.data or "—",
                  line.model or "—", line.profile or "—", line.commit)
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")

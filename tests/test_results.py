@@ -6,8 +6,8 @@ import statistics
 import pytest
 
 from gcbs_lib import results
-from gcbs_lib.results import (PAPER_DELTAS, build_table, collect, committed_table, read_rows, record, result_row,
-                              to_markdown, update_readme, write_csv, write_rows)
+from gcbs_lib.results import (PAPER_DELTAS, build_table, collect, committed_table, number, read_rows, record,
+                              result_row, to_markdown, update_readme, write_csv, write_rows)
 
 
 def row(arm, seed, value, metric="test_mrr", experiment="codesearch", profile="cpu"):
@@ -101,6 +101,19 @@ def test_markdown_and_csv_show_the_same_numbers(tmp_path):
     with open(write_csv(tmp_path / "t.csv", lines)) as handle:
         table = list(csv.DictReader(handle))
     assert float(table[1]["delta"]) == pytest.approx(0.15) and table[0]["delta"] == ""
+
+
+def test_float_round_off_of_a_delta_prints_as_zero_at_the_precision_of_its_mean():
+    """MoCo's kNN accuracies on three seeds: equal means, whose paired Δ comes out as −3.7e-17."""
+    rows = [row(arm, s, v) for arm, values in (("random", (0.539, 0.507, 0.533)), ("gcbs", (0.536, 0.477, 0.566)))
+            for s, v in enumerate(values)]
+    gcbs = build_table([(rows, "")])[1]
+    assert gcbs.delta != 0 and abs(gcbs.delta) < 1e-15
+    assert "| 0.5263 ± 0.045 (n=3) | +0 ± 0.032 |" in to_markdown([gcbs])
+    assert number(-1e-18, 0.5) == "0" and number(-0.0) == "0" and number(-1e-18, 0.5, signed=True) == "+0"
+    assert number(-0.006079, 0.01107, signed=True) == "-0.00608"  # a real Δ keeps the decimals its mean shows
+    assert number(-9.293e-05, 0.2419, signed=True) == "-0.0001" and number(2.5, 149.0, signed=True) == "+2.5"
+    assert number(0.0707, 0.75, digits=2) == "0.071" and number(1.2e-05, 0.01107, digits=2) == "1e-05"
 
 
 def fake_run(folder, rows, commit="abc1234"):
