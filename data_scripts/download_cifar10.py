@@ -14,11 +14,8 @@ import hashlib
 import sys
 from pathlib import Path
 
-from gcbs_lib.data import download, download_main, print_checksum
+from gcbs_lib.data import download, download_main, print_checksum, unpack
 from gcbs_lib.data.images import CIFAR10_FILES
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from download_sts import unpack  # noqa: E402  (data_scripts/ is not a package)
 
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 MD5 = "c58f30108f718f92721af3b95e74349a"  # published on the CIFAR page

