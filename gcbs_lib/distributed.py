@@ -22,6 +22,7 @@ import codecs
 import gc
 import importlib
 import json
+import math
 import os
 import select
 import subprocess
@@ -187,9 +188,10 @@ RANK_DIFFERENCE_BUCKET = 2**24  # entries `rank_difference` compares at a time
 
 def rank_difference(tensors: Iterable[torch.Tensor], bucket_size: int = RANK_DIFFERENCE_BUCKET) -> float:
     """The largest difference between ranks in any entry of `tensors` (the same sizes and dtypes on every rank);
-    0.0 means bitwise identical on every rank, and always when not distributed. Entries are compared at most
-    `bucket_size` at a time, in their own dtype (only a bucket's difference is taken in float64), so the check
-    needs a few buckets of memory whatever the size of the model."""
+    0.0 means bitwise identical on every rank, and always when not distributed; NaN when any rank holds a NaN
+    (MAX/MIN all-reduces may drop it). Entries are compared at most `bucket_size` at a time, in their own dtype
+    (only a bucket's difference is taken in float64), so the check needs a few buckets of memory whatever the size
+    of the model."""
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be at least 1, got {bucket_size}")
     _, world_size = rank_and_world_size()
@@ -203,18 +205,21 @@ def rank_difference(tensors: Iterable[torch.Tensor], bucket_size: int = RANK_DIF
         raise ValueError(f"ranks hold different sizes (between {fewest} and {total} entries)")
     largest = 0.0
     for bucket in [*buckets, *[[]] * (count - len(buckets))]:  # a rank with fewer buckets still joins the checks
-        layout = [_DTYPES.index(bucket[0].dtype) if bucket and bucket[0].dtype in _DTYPES else len(_DTYPES),
-                  sum(piece.numel() for piece in bucket)]
+        high = torch.cat(bucket) if bucket else torch.zeros(0)
+        layout = [_DTYPES.index(high.dtype) if bucket and high.dtype in _DTYPES else len(_DTYPES), high.numel(),
+                  int(high.isnan().sum())]
         high_layout, low_layout = _over_ranks(layout, device)
-        if high_layout != low_layout:
+        if high_layout[:2] != low_layout[:2]:
             raise ValueError(f"ranks hold tensors of different dtypes or sizes ({total} entries in all)")
-        high = torch.cat(bucket)
+        if high_layout[2]:  # every rank sees the count, so every rank returns here
+            return math.nan
         high = high.view(torch.uint8) if high.dtype == torch.bool else high
         low = high.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         spread = high.to(torch.float64)
         spread -= low
+        spread.masked_fill_(spread.isnan(), 0.0)  # inf − inf: the same infinity on every rank
         largest = max(largest, float(spread.max()))
     return largest
 

@@ -1,6 +1,7 @@
 """Specification of `rank_difference` on 2 gloo ranks: the largest difference in any entry, the same whether the
 tensors are compared in one bucket or in many, and a clear error on every rank when the ranks' tensors differ in
-size or dtype."""
+size or dtype; NaN where any rank holds a NaN."""
+import math
 import os
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def checks(bucket_sizes: list[int]) -> dict:
     return {"differences": [rank_difference(mine, bucket_size=b) for b in bucket_sizes],
             "identical": [rank_difference(same, bucket_size=b) for b in bucket_sizes],
             "empty": rank_difference([]),
+            "nan_on": [rank_difference([torch.tensor([1.0, math.nan if rank == r else 2.0])]) for r in (0, 1)],
+            "same_infinity": rank_difference([torch.tensor([math.inf, 1.0 + rank])]),
             "sizes": _raised_on(rank_difference, longer),
             "dtypes": _raised_on(rank_difference, other_dtype, bucket_size=4),
             "bucket_count": _raised_on(rank_difference, split_dtype)}
@@ -69,6 +72,11 @@ def test_the_difference_is_the_largest_in_any_entry_whatever_the_bucket_size(job
 
 def test_identical_tensors_and_no_tensors_differ_by_zero(job):
     assert job["identical"] == [0.0] * 4 and job["empty"] == 0.0
+
+
+def test_a_nan_on_any_rank_gives_nan_and_the_same_infinity_on_every_rank_does_not_count(job):
+    assert all(math.isnan(d) for d in job["nan_on"])  # gloo's MAX and MIN keep rank 0's NaN, drop rank 1's
+    assert job["same_infinity"] == 1.0
 
 
 def test_ranks_holding_different_sizes_or_dtypes_all_raise(job):
