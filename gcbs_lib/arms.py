@@ -64,7 +64,7 @@ def mean_over_seeds(summaries: dict, arm: str, records: str, key: str) -> list[f
 def arms_table(summaries: dict, metric: str, paper_delta: float | None, paper: str,
                stand_in: str = "not the paper's data", paper_arm: str = "gcbs") -> dict[str, TableLine]:
     """Print the markdown table of every run's test rows and the measured Δ of `metric` of each arm, the paper's
-    beside `paper_arm`'s (`paper_delta` None: the paper gives none) and "—" beside the others; return each
+    beside `paper_arm`'s and "—" beside the others (`paper_delta` None: "none reported" beside all); return each
     non-baseline arm's table line per test metric (keys "arm/metric"; `.delta` ± `.delta_sd` over the seeds it
     shares with the baseline). `stand_in` says, under the table's data line, what a stand-in is not."""
     rows = rows_of(summaries)
@@ -76,7 +76,7 @@ def arms_table(summaries: dict, metric: str, paper_delta: float | None, paper: s
     deltas = {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
     for key, line in deltas.items():
         if line.metric == metric:
-            if line.arm != paper_arm:
+            if line.arm != paper_arm and paper_delta is not None:
                 reported = f"— (reported for {paper_arm} only)"
             else:
                 reported = "none reported" if paper_delta is None else f"{paper_delta:+.4f}"

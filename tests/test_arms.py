@@ -70,18 +70,26 @@ def test_arms_table_pairs_each_arm_with_random_by_seed_and_names_the_stand_in(ca
     assert "measured Δ gcbs/test_spearman: +0.04   paper: +0.0103 (STS avg)" in printed
 
 
-def test_without_a_paper_number_the_table_says_none_reported(capsys):
-    arms_table(SUMMARIES, "test_spearman", None, "no number in the paper")
-    assert "measured Δ gcbs/test_spearman: +0.04   paper: none reported (no number in the paper)" in capsys.readouterr().out
+MINED = {**SUMMARIES, ("hard_negatives", 0): summary("hard_negatives", 0, 0.49, [1.0], [0.1]),
+         ("hard_negatives", 1): summary("hard_negatives", 1, 0.43, [1.2], [0.3])}
+
+
+def measured_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("measured")]
 
 
 def test_the_paper_delta_is_printed_beside_its_arm_only(capsys):
-    mined = {**SUMMARIES, ("hard_negatives", 0): summary("hard_negatives", 0, 0.49, [1.0], [0.1]),
-             ("hard_negatives", 1): summary("hard_negatives", 1, 0.43, [1.2], [0.3])}
-    arms_table(mined, "test_spearman", 0.0103, "STS avg, GCBS − random")
-    measured = [line for line in capsys.readouterr().out.splitlines() if line.startswith("measured")]
-    assert measured == ["measured Δ gcbs/test_spearman: +0.04   paper: +0.0103 (STS avg, GCBS − random)",
-                        "measured Δ hard_negatives/test_spearman: +0.01   paper: — (reported for gcbs only)"]
+    arms_table(MINED, "test_spearman", 0.0103, "STS avg, GCBS − random")
+    assert measured_lines(capsys) == [
+        "measured Δ gcbs/test_spearman: +0.04   paper: +0.0103 (STS avg, GCBS − random)",
+        "measured Δ hard_negatives/test_spearman: +0.01   paper: — (reported for gcbs only)"]
+
+
+def test_without_a_paper_number_every_arm_says_none_reported(capsys):
+    arms_table(MINED, "test_spearman", None, "no number in the paper")
+    assert measured_lines(capsys) == [
+        "measured Δ gcbs/test_spearman: +0.04   paper: none reported (no number in the paper)",
+        "measured Δ hard_negatives/test_spearman: +0.01   paper: none reported (no number in the paper)"]
 
 
 def test_plot_over_seeds_draws_the_seed_means_per_arm():
