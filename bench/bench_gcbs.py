@@ -9,8 +9,8 @@ threshold, graph and order. Published: the paper's minimal code with its bugs fi
 row chunks small enough for `torch.quantile`, no diagonal edges), its structure kept: the mean of per-chunk
 `torch.quantile` values as threshold, the edge list in Python lists, then `reverse_cuthill_mckee`.
 
-    python bench/bench_gcbs.py        # the report: N = 10k … 200k, d = 256, q = 0.999, 3 trials (2 from 100k),
-                                      # writes docs/bench/gcbs.md (about 1.5 hours on 2 shared cores)
+    python bench/bench_gcbs.py        # the report: N = 10k … 200k, d = 256, q = 0.999, 3 trials (1 from 100k),
+                                      # writes docs/bench/gcbs.md (about an hour on 2 shared cores)
     python bench/bench_gcbs.py --sizes 5000 10000 --repeats 5 --markdown ''   # print only
     python bench/bench_gcbs.py --device cuda --markdown docs/bench/gcbs_cuda.md  # similarity work on the GPU
     python -m torch.distributed.run --standalone --nproc_per_node=2 bench/bench_gcbs.py --distributed \\
@@ -178,13 +178,13 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
+def report(rows: list[dict], args: argparse.Namespace, command: str, machine: str) -> str:
     slow = max(rows, key=lambda r: r["n"])
     fallbacks = sum(r["passes"] > 1 for r in rows)
     return "\n".join([
         f"## GCBS permutation against N (d = {args.dim}, q = {args.quantile}, {args.device})",
         "",
-        f"Machine: {machine_summary()}; {torch.get_num_threads()} torch threads.",
+        f"Machine: {machine}; {torch.get_num_threads()} torch threads.",
         "",
         f"Command: `{command}`",
         "",
@@ -254,14 +254,15 @@ def main() -> None:
         return distributed(args)
     rows, repeats = [], dict(zip(args.sizes, args.repeats * len(args.sizes)))
     command = shlex.join(["python", "bench/bench_gcbs.py", *sys.argv[1:]])
+    machine = machine_summary()  # at the start: the load it started under and the commit it runs
     for data in args.data:
         for n in args.sizes:
             rows.append(measure(n, repeats[n], args, data))
             print("\n".join(table(rows)[:2] + table(rows[-1:])[2:]), flush=True)
             if args.markdown:  # after every N, so that an interrupted run keeps what it measured
                 Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.markdown).write_text(report(rows, args, command))
-    print(report(rows, args, command))
+                Path(args.markdown).write_text(report(rows, args, command, machine))
+    print(report(rows, args, command, machine))
 
 
 if __name__ == "__main__":
