@@ -1,7 +1,8 @@
 """Specification of the MoCo experiment: the queue is a ring buffer, the momentum encoder follows the query
 encoder by an exact moving average after each optimizer step and gets no gradients, the views are seeded and
 reproducible, a few steps lower the loss, both arms train through gcbs_lib.train, a crashed run resumes its
-queue bitwise and the seed-drawn GCBS views keep the trainer from reusing embeddings across seeds. Runs on planted images written as Fashion-MNIST IDX files."""
+queue bitwise and the seed-drawn GCBS views keep the trainer from reusing embeddings across seeds. Runs on
+planted images written as Fashion-MNIST IDX files."""
 import copy
 
 import numpy as np
