@@ -200,13 +200,13 @@ def rank_difference(tensors: Iterable[torch.Tensor], bucket_size: int = RANK_DIF
         return 0.0
     device = tensors[0].device if tensors else torch.device("cpu")
     buckets = _buckets(tensors, bucket_size)
-    (total, count), (fewest, _) = _over_ranks([sum(t.numel() for t in tensors), len(buckets)], device)
+    (total,), (fewest,) = _over_ranks([sum(t.numel() for t in tensors)], device)
     if total != fewest:
         raise ValueError(f"ranks hold different sizes (between {fewest} and {total} entries)")
     largest = 0.0
-    for bucket in [*buckets, *[[]] * (count - len(buckets))]:  # a rank with fewer buckets still joins the checks
-        high = torch.cat(bucket) if bucket else torch.zeros(0)
-        layout = [_DTYPES.index(high.dtype) if bucket and high.dtype in _DTYPES else len(_DTYPES), high.numel(),
+    for bucket in buckets:  # equal totals: ranks cut differently meet a differing layout before any runs out
+        high = torch.cat(bucket)
+        layout = [_DTYPES.index(high.dtype) if high.dtype in _DTYPES else len(_DTYPES), high.numel(),
                   int(high.isnan().sum())]
         high_layout, low_layout = _over_ranks(layout, device)
         if high_layout[:2] != low_layout[:2]:

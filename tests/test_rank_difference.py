@@ -43,7 +43,8 @@ def checks(bucket_sizes: list[int]) -> dict:
     mine, same = rank_tensors(rank), rank_tensors(0)
     longer = [*same, torch.zeros(rank)]
     other_dtype = [t.double() if rank and t.dtype == torch.float32 else t for t in same]
-    split_dtype = [torch.zeros(8)] if rank else [torch.zeros(4), torch.zeros(4, dtype=torch.float64)]
+    split_dtype = [torch.zeros(4), *([torch.zeros(2, dtype=torch.float64), torch.zeros(2)] if rank else
+                                     [torch.zeros(4, dtype=torch.float64)])]  # 3 buckets against 2, first alike
     return {"differences": [rank_difference(mine, bucket_size=b) for b in bucket_sizes],
             "identical": [rank_difference(same, bucket_size=b) for b in bucket_sizes],
             "empty": rank_difference([]),
