@@ -200,9 +200,9 @@ SIGNIFICANT = 4  # digits the table shows of a mean; its sd, Δ and Δ's sd are 
 def number(x: float, scale: float | None = None, *, digits: int = SIGNIFICANT, signed: bool = False) -> str:
     """`x` rounded to the decimals that show `scale` (default, or when 0: `x` itself) to `SIGNIFICANT` significant
     digits, then written with `digits` significant digits: float round-off far below `scale` (a Δ of two equal
-    means, −3.7e-17) prints as 0, never −0."""
-    magnitude = abs(scale or x)
-    decimals = SIGNIFICANT - 1 - math.floor(math.log10(magnitude)) if magnitude else 0
+    means, −3.7e-17) prints as 0, never −0. NaN and infinities print as such (a non-finite `scale` is ignored)."""
+    magnitude = abs(scale if scale and math.isfinite(scale) else x)
+    decimals = SIGNIFICANT - 1 - math.floor(math.log10(magnitude)) if magnitude and math.isfinite(magnitude) else 0
     return f"{round(x, decimals) + 0.0:{'+' if signed else ''}.{digits}g}"  # + 0.0 turns −0.0 into 0.0
 
 

@@ -1,6 +1,7 @@
 """Result rows, the paper-vs-kit table built from them, and the README table generated from committed rows."""
 import csv
 import json
+import math
 import statistics
 
 import pytest
@@ -114,6 +115,7 @@ def test_float_round_off_of_a_delta_prints_as_zero_at_the_precision_of_its_mean(
     assert number(-0.006079, 0.01107, signed=True) == "-0.00608"  # a real Δ keeps the decimals its mean shows
     assert number(-9.293e-05, 0.2419, signed=True) == "-0.0001" and number(2.5, 149.0, signed=True) == "+2.5"
     assert number(0.0707, 0.75, digits=2) == "0.071" and number(1.2e-05, 0.01107, digits=2) == "1e-05"
+    assert [number(math.nan), number(-math.inf, 0.5), number(0.01234, math.inf)] == ["nan", "-inf", "0.01234"]
 
 
 def fake_run(folder, rows, commit="abc1234"):
