@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -132,11 +131,7 @@ def peak_memory(arm: str, batch: int, chunk: int, batches_file: Path, args: argp
     the tokenised batches from `batches_file`."""
     probe = {"arm": arm, "batch": batch, "chunk": chunk, "batches": str(batches_file), "device": args.device,
              "mode": "train", "seed": args.seed}
-    result = subprocess.run([sys.executable, __file__, "--probe-memory", json.dumps(probe)], capture_output=True,
-                            text=True, timeout=1800)
-    if result.returncode:
-        raise RuntimeError(f"memory probe failed for {probe}:\n{result.stderr[-3000:]}")
-    return int(result.stdout.split()[-1])
+    return measure.fresh_process_bytes([__file__, "--probe-memory", json.dumps(probe)], probe, timeout=1800)
 
 
 def probe_memory(probe: dict) -> int:

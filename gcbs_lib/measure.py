@@ -153,10 +153,15 @@ def peak_step_memory(config: StepConfig, method: str | None = None) -> int:
                          f"use one of {list(MEMORY_METHODS)} that does")
     if method == "cuda":
         return memory_rise(prepare_step(config), method)
-    result = subprocess.run([sys.executable, "-m", "gcbs_lib.measure", json.dumps(asdict(config)), method],
-                            capture_output=True, text=True, timeout=600)
+    return fresh_process_bytes(["-m", "gcbs_lib.measure", json.dumps(asdict(config)), method], config)
+
+
+def fresh_process_bytes(arguments: list[str], what, timeout: float = 600) -> int:
+    """Run `python <arguments>` in a fresh process (nothing resident from earlier work) and return the integer
+    it prints last: how memory probes measure one setting on the CPU. A failing probe raises, naming `what`."""
+    result = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=timeout)
     if result.returncode:
-        raise RuntimeError(f"memory probe failed for {config}:\n{result.stderr}")
+        raise RuntimeError(f"memory probe failed for {what}:\n{result.stderr[-3000:]}")
     return int(result.stdout.split()[-1])
 
 

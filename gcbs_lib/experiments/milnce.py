@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from gcbs_lib.distributed import gather_ragged, gather_with_grad, gradient_rank_
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, register
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import mil_nce
-from gcbs_lib.measure import memory_method, memory_rise
+from gcbs_lib.measure import fresh_process_bytes, memory_method, memory_rise
 from gcbs_lib.metrics import median_rank, recall_at, retrieval_ranks
 from gcbs_lib.models import PAD_ID, HashingTokenizer
 from gcbs_lib.seeding import generator, stream_seed
@@ -333,15 +332,8 @@ def loss_peak_memory(settings: list[dict], device: str = "cpu") -> list[int]:
     one left resident."""
     if device.startswith("cuda"):
         return [memory_rise(_loss_step(setting, device), "cuda") for setting in settings]
-    return [_fresh_process_peak(setting) for setting in settings]
-
-
-def _fresh_process_peak(setting: dict) -> int:
-    result = subprocess.run([sys.executable, "-m", "gcbs_lib.experiments.milnce", json.dumps(setting)],
-                            capture_output=True, text=True, timeout=600)
-    if result.returncode:
-        raise RuntimeError(f"memory probe failed for {setting}:\n{result.stderr}")
-    return int(result.stdout.split()[-1])
+    return [fresh_process_bytes(["-m", "gcbs_lib.experiments.milnce", json.dumps(setting)], setting)
+            for setting in settings]
 
 
 def _cpu_peak(setting: dict) -> int:
