@@ -58,7 +58,7 @@ notebooks: $(STAMP)  ## sync each edited .py into its .ipynb and re-execute it i
 	  (cd notebooks && ../$(BIN)/jupyter execute --inplace "$$(basename $${py%.py}.ipynb)") || exit 1; \
 	done
 
-bench: $(STAMP)  ## run the bench/ scripts (about 100 min on 2 cores; installs bench/requirements.txt) → docs/benchmarks.md
+bench: $(STAMP)  ## run the bench/ scripts (about an hour on 2 cores; installs bench/requirements.txt) → docs/benchmarks.md
 	$(BIN)/python -m pip install --quiet -c requirements.txt -r bench/requirements.txt
 	$(BIN)/python bench/bench_gcbs.py
 	$(BIN)/python bench/bench_gradcache.py $(BENCH_STEP_ARGS)
