@@ -61,12 +61,16 @@ _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.in
            torch.int8, torch.uint8, torch.bool]
 
 
+def _dtype_code(dtype: torch.dtype) -> int:
+    """`dtype`'s index in `_DTYPES`, what ranks exchange to compare dtypes; len(_DTYPES) for any other dtype."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
 def _check_same_shape_and_dtype(x: torch.Tensor, world_size: int) -> None:
     """Exchange shapes and dtypes before gathering, so a mismatch raises the same error on every rank instead of
     hanging or aborting in the collective."""
     shape = list(x.shape[:_MAX_DIMS])
-    dtype_code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
-    mine = torch.tensor([x.dim(), dtype_code, *shape] + [-1] * (_MAX_DIMS - len(shape)), dtype=torch.int64,
+    mine = torch.tensor([x.dim(), _dtype_code(x.dtype), *shape] + [-1] * (_MAX_DIMS - len(shape)), dtype=torch.int64,
                         device=x.device)
     every = mine.new_empty(world_size * mine.numel())
     dist.all_gather_single(every, mine)
@@ -206,8 +210,7 @@ def rank_difference(tensors: Iterable[torch.Tensor], bucket_size: int = RANK_DIF
     largest = 0.0
     for bucket in buckets:  # equal totals: ranks cut differently meet a differing layout before any runs out
         high = torch.cat(bucket)
-        layout = [_DTYPES.index(high.dtype) if high.dtype in _DTYPES else len(_DTYPES), high.numel(),
-                  int(high.isnan().sum())]
+        layout = [_dtype_code(high.dtype), high.numel(), int(high.isnan().sum())]
         high_layout, low_layout = _over_ranks(layout, device)
         if high_layout[:2] != low_layout[:2]:
             raise ValueError(f"ranks hold tensors of different dtypes or sizes ({total} entries in all)")
