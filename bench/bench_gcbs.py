@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ from gcbs_lib.gcbs import (_BINS, _HIGH_IN_VALUE_ORDER, _float32_at_most, _halve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_summary  # noqa: E402  (bench/ is not a package)
-from trials import spread  # noqa: E402
+from trials import rerun_command, spread, write_section  # noqa: E402
 
 FEATURES = 128
 DEFAULT_MARKDOWN = "docs/bench/gcbs.md"
@@ -178,10 +177,10 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def report(rows: list[dict], args: argparse.Namespace, command: str, machine: str) -> str:
+def report(rows: list[dict], args: argparse.Namespace, command: str, machine: str) -> list[str]:
     slow = max(rows, key=lambda r: r["n"])
     fallbacks = sum(r["passes"] > 1 for r in rows)
-    return "\n".join([
+    return [
         f"## GCBS permutation against N (d = {args.dim}, q = {args.quantile}, {args.device})",
         "",
         f"Machine: {machine}; {torch.get_num_threads()} torch threads.",
@@ -200,7 +199,7 @@ def report(rows: list[dict], args: argparse.Namespace, command: str, machine: st
         f"Passes beyond the first: {fallbacks} of {len(rows)} runs. At N = {slow['n']:,} the kit takes "
         f"{statistics.median(slow['kit_over_floor']):.2f}× the floor.",
         "",
-    ])
+    ]
 
 
 # ------------------------------------------------------------------------------- distributed mode
@@ -253,16 +252,17 @@ def main() -> None:
     if args.distributed:
         return distributed(args)
     rows, repeats = [], dict(zip(args.sizes, args.repeats * len(args.sizes)))
-    command = shlex.join(["python", "bench/bench_gcbs.py", *sys.argv[1:]])
+    command = rerun_command("bench/bench_gcbs.py", None)
     machine = machine_summary()  # at the start: the load it started under and the commit it runs
     for data in args.data:
         for n in args.sizes:
             rows.append(measure(n, repeats[n], args, data))
             print("\n".join(table(rows)[:2] + table(rows[-1:])[2:]), flush=True)
             if args.markdown:  # after every N, so that an interrupted run keeps what it measured
-                Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.markdown).write_text(report(rows, args, command, machine))
-    print(report(rows, args, command, machine))
+                write_section(Path(args.markdown), report(rows, args, command, machine), done=False)
+    if args.markdown:
+        write_section(Path(args.markdown), report(rows, args, command, machine), done=True)
+    print("\n".join(report(rows, args, command, machine)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ are taken within a trial, so load that comes and goes hits every arm alike.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -60,7 +61,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, out: Path) -> None:
 
 def rerun_command(script: str, argv: list[str] | None) -> str:
     """The command line that reruns this measurement, for the section's 'Rerun:' line."""
-    return " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)])
+    return shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_section(out: Path, lines: list[str], done: bool) -> None:
