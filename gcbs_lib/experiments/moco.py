@@ -284,8 +284,6 @@ class MoCo(Experiment):
             raise ValueError(f"momentum must lie in [0, 1), got {o.momentum}")
         if o.dev_size < 0:
             raise ValueError(f"dev_size must be >= 0, got {o.dev_size}")
-        if o.bn_splits < 1:
-            raise ValueError(f"bn_splits must be a positive integer, got {o.bn_splits}")
         root = o.data_root or data_root()
         images, labels = load(o.data, "train", root)
         order = torch.randperm(len(labels), generator=generator(0, 0, "moco-dev-split"))
