@@ -37,6 +37,17 @@ def data_root() -> Path:
     return Path(configured).expanduser() if configured else Path(__file__).resolve().parents[2] / "data"
 
 
+DATA_SCRIPTS = Path(__file__).resolve().parents[2] / "data_scripts"
+
+
+def run_data_script(script: str, *args) -> None:
+    """Run `data_scripts/<script>` (a downloader or stand-in builder) in a fresh Python; on failure raise with
+    the end of its output."""
+    done = subprocess.run([sys.executable, str(DATA_SCRIPTS / script), *map(str, args)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"data_scripts/{script} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+
+
 class DownloadError(RuntimeError):
     """A file could not be fetched (no route to the host, HTTP error, timeout)."""
 
