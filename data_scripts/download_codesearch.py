@@ -15,13 +15,12 @@ on, so every checksum in FILES is None: the script prints each file's computed S
 record it; a value filled in is enforced on every run. Offline, use the stand-in instead:
 `python data_scripts/build_codesearch_standin.py`.
 """
-import functools
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from gcbs_lib.data import download, download_main, print_checksum
+from fetch import download_main, download, sha256sum
 
 COSQA = "https://github.com/Jun-jie-Huang/CoCLR/raw/main/data/search/"
 UNKNOWN = None  # no published checksum, and unreachable here: see the docstring
@@ -54,7 +53,8 @@ def fetch(dataset: str, root: Path) -> Path:
     folder = root / "codesearch" / FOLDER[dataset]
     for url, name, sha256 in FILES[dataset]:
         path = download(url, folder / "downloads" / name if name.endswith(".zip") else folder / name, sha256)
-        print_checksum(path, sha256)
+        state = "checked" if sha256 else "not checked: no recorded checksum, record this one"
+        print(f"sha256 {sha256sum(path)}  {path}  ({state})")
     if dataset == "advtest" and not (folder / "test.jsonl").is_file():
         unpack_dataset_zip(folder / "downloads" / "dataset.zip", folder)
         with zipfile.ZipFile(folder / "downloads" / "python.zip") as zipped:
@@ -67,8 +67,7 @@ def fetch(dataset: str, root: Path) -> Path:
 
 
 def main(argv=None):
-    offline = "build the stand-in: python data_scripts/build_codesearch_standin.py"
-    sys.exit(download_main(__doc__, {name: functools.partial(fetch, name) for name in FILES}, offline, argv))
+    download_main(__doc__, fetch, list(FILES), "build the stand-in: python data_scripts/build_codesearch_standin.py", argv)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,32 @@
 """Download the sentence-embedding data SimCSE uses, from the URLs of its scripts, into `<data root>/sts/`
 (idempotent: files already there are kept).
 
-    python data_scripts/download_sts.py [--root DIR] [--only senteval wiki1m nli]
+    python data_scripts/download_sts.py [--root DIR] [--only senteval wiki1m]
 
   senteval  senteval.tar (SentEval/data/downstream/download_dataset.sh), unpacked into sts/SentEval/: the
             STS12–16 year folders, STSBenchmark/sts-{train,dev,test}.csv and SICK/SICK_*.txt;
             `gcbs_lib.data.sts.senteval_path(task, <data root>/sts/SentEval)` finds each task's path in it.
   wiki1m    wiki1m_for_simcse.txt, the unsupervised training sentences (data/download_wiki.sh).
-  nli       nli_for_simcse.csv, the supervised triples (data/download_nli.sh).
 
 Checksums: SimCSE publishes none, and huggingface.co cannot be reached from the machine this kit was built on,
 so SHA256 below is None for every file: the script prints each file's computed SHA-256 so that you can record
 it; a value filled in is enforced on every run. Offline, build the stand-in (NOT STS) from the gensim wheel's
 test data: `python data_scripts/build_sts_standin.py`.
 """
-import functools
-import sys
 from pathlib import Path
 
-from gcbs_lib.data import download, download_main, print_checksum, unpack
+from fetch import download_main, download, sha256sum, unpack
 
 BASE = "https://huggingface.co/datasets/princeton-nlp/datasets-for-simcse/resolve/main/"
-FILES = {"senteval": "senteval.tar", "wiki1m": "wiki1m_for_simcse.txt", "nli": "nli_for_simcse.csv"}
+FILES = {"senteval": "senteval.tar", "wiki1m": "wiki1m_for_simcse.txt"}
 SHA256 = {name: None for name in FILES.values()}  # unknown here: see the docstring
 
 
 def fetch(key: str, root: Path) -> Path:
     name = FILES[key]
     path = download(BASE + name, root / "sts" / name, SHA256[name])
-    print_checksum(path, SHA256[name])
+    state = "checked" if SHA256[name] else "not checked: no recorded checksum, record this one"
+    print(f"sha256 {sha256sum(path)}  {path}  ({state})")
     if key == "senteval" and not (root / "sts" / "SentEval").is_dir():
         unpack(path, root / "sts" / "SentEval")
         return root / "sts" / "SentEval"
@@ -36,8 +34,7 @@ def fetch(key: str, root: Path) -> Path:
 
 
 def main(argv=None):
-    offline = "use the stand-in (NOT STS): python data_scripts/build_sts_standin.py"
-    sys.exit(download_main(__doc__, {name: functools.partial(fetch, name) for name in FILES}, offline, argv))
+    download_main(__doc__, fetch, list(FILES), "use the stand-in (NOT STS): python data_scripts/build_sts_standin.py", argv)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,23 @@
-"""Contrastive losses: InfoNCE/CLIP with hard negatives, a learnable logit scale, ColBERT late interaction.
-
-All losses score every query against every document of the batch, so in-batch documents act as negatives:
-
-    L = −(1/B) Σ_i log( exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) )
-
-with S the score matrix, s the logit scale (1/temperature) and p(i) the column of query i's positive.
-With k hard negatives per query the documents come interleaved `[pos_0, neg_0_1, …, neg_0_k, pos_1, …]`,
-so p(i) = i·(k+1).
-
-Default scales follow each score's range. Dot products of unit vectors (cosines) lie in [−1, 1], so
-`info_nce` multiplies them by 20 (temperature 0.05, UniXcoder's and SimCSE's setting). ColBERT's MaxSim
-already sums one cosine per query token, up to the query length, and ColBERT trains on it unscaled, so
-`late_interaction_loss` uses 1. Pass `scale` explicitly when embeddings are not normalised.
-"""
-from __future__ import annotations
-
+"""Contrastive losses: InfoNCE (hard negatives, symmetric, a learnable logit scale), its per-rank share, MIL-NCE.
+InfoNCE: L = −(1/B) Σ_i log( exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) ), S the query × document scores, s the logit
+scale (1/temperature), p(i) the column of query i's positive: in-batch documents are the negatives. With k hard
+negatives per query the documents come as `[pos_0, neg_0_1, …, neg_0_k, pos_1, …]`, so p(i) = i·(k+1)."""
 import math
 from typing import Callable, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gcbs_lib.check import require
+
+Scale = Union[float, torch.Tensor, Callable[[], torch.Tensor]]
+
 
 class LogitScale(nn.Module):
-    """A learnable logit scale kept in log space, as CLIP does: scale = exp(log_scale).
-
-    Starts at 1/0.07. The forward applies no clamp, so its gradient is exact; call `clamp_()` after each
-    optimizer step to keep the scale within [1, max_scale].
-    """
+    """A learnable logit scale kept in log space, as CLIP does: scale = exp(log_scale), from `init_scale`. The
+    forward does not clamp (its gradient stays exact): `clamp_()` after each optimizer step keeps it in [1, max]."""
 
     def __init__(self, init_scale: float = 1 / 0.07, max_scale: float = 100.0):
         super().__init__()
@@ -40,87 +29,38 @@ class LogitScale(nn.Module):
 
     @torch.no_grad()
     def clamp_(self) -> None:
-        """Clamp log_scale to [0, ln max_scale] in place (call after `optimizer.step()`)."""
         self.log_scale.clamp_(0.0, self.max_log_scale)
 
 
-Scale = Union[float, torch.Tensor, Callable[[], torch.Tensor]]
+def info_nce(query: torch.Tensor, docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False) -> torch.Tensor:
+    """InfoNCE over dot products of `query [B, D]` and `docs [B·(1+k), D]` (k hard negatives per query). `scale`: a
+    number, a tensor or a callable such as `LogitScale` (20 suits unit-norm embeddings: temperature 0.05).
+    `symmetric=True` averages with the document→query direction over the positive documents (CLIP)."""
+    return rank_info_nce(query, docs, scale, symmetric, rank=0, world_size=1)
 
 
-def docs_per_query(n_queries: int, n_docs: int) -> int:
-    """How many documents each query owns (1 + hard negatives); a clear error when the counts do not divide."""
-    if n_queries == 0 or n_docs == 0:
-        raise ValueError(f"empty batch: {n_queries} queries and {n_docs} documents")
-    if n_docs % n_queries:
-        raise ValueError(
-            f"{n_docs} documents for {n_queries} queries: documents must come as [positive, hard negatives...] "
-            f"per query, so their count must be a multiple of the query count"
-        )
-    return n_docs // n_queries
-
-
-def contrastive_loss(scores: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False) -> torch.Tensor:
-    """Cross-entropy of each query row over all documents, positives at columns i·(docs per query).
-
-    `symmetric=True` averages with the document→query direction over the positive documents (CLIP).
-    `scale` is a number, a tensor, or a callable such as `LogitScale` returning one.
-    """
-    n_queries, n_docs = scores.shape
-    group = docs_per_query(n_queries, n_docs)
-    logits = scores * (scale() if callable(scale) else scale)
-    targets = torch.arange(n_queries, device=scores.device)
-    loss = F.cross_entropy(logits, targets * group)
+def rank_info_nce(all_queries: torch.Tensor, all_docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False,
+                  rank: int | None = None, world_size: int | None = None) -> torch.Tensor:
+    """L_r, rank r's share of InfoNCE over embeddings gathered from all W ranks: its B queries against all W·B·(1+k)
+    documents (symmetric: also its B positive documents against all W·B queries). The mean of L_r over ranks is
+    `info_nce(all_queries, all_docs, scale, symmetric)`. Rank and world size default to this process's."""
+    require(all_queries.dim() == all_docs.dim() == 2 and all_queries.shape[1] == all_docs.shape[1], f"embedding "
+            f"sizes differ or are not [rows, D]: queries {tuple(all_queries.shape)}, documents {tuple(all_docs.shape)}")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = (dist.get_rank() if distributed else 0) if rank is None else rank
+    world_size = (dist.get_world_size() if distributed else 1) if world_size is None else world_size
+    n, m = len(all_queries), len(all_docs)
+    require(n and m and not m % n and not n % world_size, f"{m} documents for {n} queries on {world_size} ranks: "
+            f"their count must be a multiple of the query count ([positive, hard negatives...] per query), and the "
+            f"queries must split over the ranks")
+    group, b = m // n, n // world_size
+    own = torch.arange(rank * b, (rank + 1) * b, device=all_queries.device)
+    s = scale() if callable(scale) else scale
+    loss = F.cross_entropy(all_queries[own] @ all_docs.T * s, own * group)
     if symmetric:
-        loss = (loss + F.cross_entropy(logits[:, ::group].T, targets)) / 2
+        loss = (loss + F.cross_entropy(all_docs[own * group] @ all_queries.T * s, own)) / 2
     return loss
 
-
-def _check_dims(query: torch.Tensor, docs: torch.Tensor) -> None:
-    if query.shape[-1] != docs.shape[-1]:
-        raise ValueError(f"embedding sizes differ: queries {tuple(query.shape)}, documents {tuple(docs.shape)}")
-
-
-def info_nce(query: torch.Tensor, docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False) -> torch.Tensor:
-    """InfoNCE over dot-product scores: `query [B, D]`, `docs [B·(1+k), D]` (k hard negatives per query).
-
-    `scale` 20 suits unit-norm embeddings (cosine scores, temperature 0.05).
-    """
-    if query.dim() != 2 or docs.dim() != 2:
-        raise ValueError(f"expected 2-d embeddings, got queries {tuple(query.shape)}, documents {tuple(docs.shape)}")
-    _check_dims(query, docs)
-    return contrastive_loss(query @ docs.T, scale, symmetric)
-
-
-def late_interaction_scores(query: tuple[torch.Tensor, torch.Tensor], docs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """ColBERT MaxSim: S[q, d] = Σ_{i real token of q} max_{j real token of d} <q_i, d_j>.
-
-    `query = (vectors [Bq, Lq, D], mask [Bq, Lq])`, `docs = (vectors [Bd, Ld, D], mask [Bd, Ld])`; masks are
-    True on real tokens. Returns `[Bq, Bd]`.
-    """
-    (q, q_mask), (d, d_mask) = query, docs
-    _check_dims(q, d)
-    if q.shape[:2] != q_mask.shape or d.shape[:2] != d_mask.shape:
-        raise ValueError(f"masks {tuple(q_mask.shape)}, {tuple(d_mask.shape)} do not match vectors "
-                         f"{tuple(q.shape)}, {tuple(d.shape)}")
-    if not d_mask.any(dim=1).all():
-        raise ValueError("a document has no real token: its MaxSim is undefined")
-    q_mask, d_mask = q_mask.bool(), d_mask.bool()
-    token_scores = torch.einsum("aid,bjd->abij", q, d)
-    token_scores = token_scores.masked_fill(~d_mask[None, :, None, :], float("-inf"))
-    best = token_scores.amax(dim=-1).masked_fill(~q_mask[:, None, :], 0.0)
-    return best.sum(dim=-1)
-
-
-def late_interaction_loss(query: tuple[torch.Tensor, torch.Tensor], docs: tuple[torch.Tensor, torch.Tensor],
-                          scale: Scale = 1.0, symmetric: bool = False) -> torch.Tensor:
-    """InfoNCE over ColBERT MaxSim scores (multi-vector queries and documents with masks).
-
-    `scale` 1: a MaxSim score sums one cosine per query token, so it already spans up to the query length.
-    """
-    return contrastive_loss(late_interaction_scores(query, docs), scale, symmetric)
-
-
-# ---- MIL-NCE: a bag of captions as each clip's positive ---------------------------------------------------------
 
 def mil_nce(video: torch.Tensor, text: torch.Tensor, bag_idx: torch.Tensor, temperature: float | torch.Tensor = 1.0,
             direction: str = "v2t", chunk_size: int | None = None, reduction: str = "mean", *,
@@ -129,87 +69,54 @@ def mil_nce(video: torch.Tensor, text: torch.Tensor, bag_idx: torch.Tensor, temp
 
     With S = video textᵀ / τ (`video [B, D]`, `text [N, D]`, `bag_idx [B, A]` caption rows, -1 = padding):
 
-        "v2t"   ℓ_i = log Σ_{j≤N} e^{S_ij}                            − log Σ_{j∈P_i} e^{S_ij}
+        "v2t"   ℓ_i = log Σ_{j≤N} e^{S_ij}                                − log Σ_{j∈P_i} e^{S_ij}
         "both"  ℓ_i = log (Σ_{j≤N} e^{S_ij} + Σ_{k≤B} Σ_{j∈P_i} e^{S_kj}) − log Σ_{j∈P_i} e^{S_ij}
 
-    "v2t" is the article's form; "both" the official code's (every clip also against clip i's bag, so the bag
-    counts twice and ℓ_i ≥ ln 2). Bags may be ragged and may share captions; a caption twice in one bag is
-    refused. `exclude_idx [B, E]` (-1 = padding, optional) names captions that are no negatives for clip i (one
-    overlapping its window from another clip's bag): the pairs (i, j) leave both sums. `chunk_size` streams the
-    denominators in blocks of `chunk_size` rows × `chunk_size` columns with a hand-written backward, so no B×N
-    (nor, for "both", N×B) matrix is ever held; the values and gradients equal the full computation to rounding.
-    Returns the mean, or `[B]` with reduction="none".
-    """
-    _check_mil_nce_inputs(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction)
-    scaled = video / temperature
-    rows, cols = _pairs(exclude_idx) if exclude_idx is not None else (bag_idx.new_empty(0),) * 2
-    positive = torch.einsum("bd,bad->ba", scaled, text[bag_idx.clamp(min=0)])
-    positive = positive.masked_fill(bag_idx < 0, float("-inf")).logsumexp(dim=1)
+    "v2t" is the article's form, "both" the official code's. Bags may be ragged and share captions. `exclude_idx
+    [B, E]` (-1 = padding) names captions that are no negatives for clip i: those pairs (i, j) leave both sums.
+    `chunk_size` streams the denominators in blocks of chunk_size² scores (no B×N matrix is held), with the same
+    values and gradients to rounding. Returns the mean, or `[B]` with reduction="none"."""
+    _check_mil_nce(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction)
+    scaled, padding, bags = video / temperature, bag_idx < 0, bag_idx.clamp(min=0)
+    exclude = bag_idx.new_empty(len(video), 0) if exclude_idx is None else exclude_idx
+    rows, slots = (exclude >= 0).nonzero(as_tuple=True)
+    cols = exclude[rows, slots]
+    positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf).logsumexp(dim=1)
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
-    if direction == "both":
-        in_bags = bag_idx[bag_idx >= 0].unique()  # only these columns are needed: no all-excluded column enters
-        bag_text = text if len(in_bags) == len(text) else text[in_bags]  # every caption in a bag: no copy
-        column = _masked_logsumexp(bag_text, scaled, *_pairs_among(cols, rows, in_bags), chunk_size)
-        column_of = torch.full((text.shape[0],), float("-inf"), dtype=column.dtype, device=column.device)
-        column_of = column_of.index_put((in_bags,), column)
-        bag_columns = column_of[bag_idx.clamp(min=0)].masked_fill(bag_idx < 0, float("-inf")).logsumexp(dim=1)
-        denominator = torch.logaddexp(denominator, bag_columns)
+    if direction == "both":  # every clip against caption j (a column sum), then over the captions of clip i's bag
+        columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags].masked_fill(padding, -math.inf)
+        denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
     loss = denominator - positive
     return loss.mean() if reduction == "mean" else loss
 
 
-def _pairs(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) of every entry ≥ 0 of a -1-padded index matrix."""
-    rows, slots = (index >= 0).nonzero(as_tuple=True)
-    return rows, index[rows, slots]
-
-
-def _pairs_among(rows: torch.Tensor, cols: torch.Tensor, keep_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs whose row is in the sorted `keep_rows`, with rows renumbered to positions in `keep_rows`."""
-    position = torch.searchsorted(keep_rows, rows).clamp(max=max(len(keep_rows) - 1, 0))
-    kept = keep_rows[position] == rows if len(keep_rows) else torch.zeros_like(rows, dtype=torch.bool)
-    return position[kept], cols[kept]
-
-
-def _masked_logsumexp(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                      chunk_size: int | None) -> torch.Tensor:
-    """log Σ_j e^{<a_m, b_j>} over the columns j with (m, j) not among the pairs (rows, cols): `[M]`."""
+def _masked_logsumexp(a, b, rows, cols, chunk_size: int | None) -> torch.Tensor:
+    """log Σ_j e^{<a_m, b_j>} over the j with (m, j) not among the pairs (rows, cols): `[M]`. Excluded scores are
+    set to the dtype's lowest finite value, not −inf, so a row with nothing left has a finite, unused value."""
     if chunk_size is None:
-        scores = (a @ b.T).index_put((rows, cols), a.new_tensor(float("-inf")))
-        return scores.logsumexp(dim=1)
+        return _masked_block(a, b, rows, cols, slice(0, len(a)), slice(0, len(b))).logsumexp(dim=1)
     return _ChunkedLogSumExp.apply(a, b, rows, cols, chunk_size)
 
 
-def _blocks(m: int, n: int, size: int):
-    """(rows, columns) slices tiling an m × n matrix in blocks of at most size × size."""
-    for r in range(0, m, size):
-        for c in range(0, n, size):
-            yield slice(r, r + size), slice(c, c + size)
-
-
-def _masked_block(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, r: slice, c: slice):
-    """Scores of rows r of a against rows c of b, the excluded pairs set to −inf: `[|r|, |c|]`."""
-    scores = a[r] @ b[c].T
+def _masked_block(a, b, rows, cols, r: slice, c: slice) -> torch.Tensor:
+    """Scores of rows r of `a` against rows c of `b`, the excluded pairs masked: `[|r|, |c|]`."""
     inside = (rows >= r.start) & (rows < r.stop) & (cols >= c.start) & (cols < c.stop)
-    return scores.index_put_((rows[inside] - r.start, cols[inside] - c.start), scores.new_tensor(float("-inf")))
+    return (a[r] @ b[c].T).index_put((rows[inside] - r.start, cols[inside] - c.start),
+                                     a.new_tensor(torch.finfo(a.dtype).min))
 
 
 class _ChunkedLogSumExp(torch.autograd.Function):
-    """`_masked_logsumexp` streamed over blocks of chunk_size × chunk_size; the backward recomputes each block's
-    softmax.
-
-    Forward: lse_m = logaddexp over column blocks of the block's logsumexp. Backward: ∂lse_m/∂<a_m, b_j> =
-    e^{s_mj − lse_m}, so each block adds P @ b_block to its rows of a's gradient and Pᵀ @ a_block to its rows of
-    b's. Peak memory: one `[chunk_size, chunk_size]` block besides the inputs and their gradients.
-    """
+    """`_masked_logsumexp` block by block: lse_m = logaddexp over column blocks; the backward recomputes each
+    block's P = e^{s − lse} = ∂lse/∂s and adds P @ b_c to a's gradient rows, Pᵀ @ a_r to b's. One block at a time."""
 
     @staticmethod
     def forward(ctx, a, b, rows, cols, chunk_size):
-        lse = a.new_full((a.shape[0],), float("-inf"))
-        for r, c in _blocks(a.shape[0], b.shape[0], chunk_size):
+        ctx.blocks = [(slice(r, r + chunk_size), slice(c, c + chunk_size))
+                      for r in range(0, len(a), chunk_size) for c in range(0, len(b), chunk_size)]
+        lse = a.new_full((len(a),), -math.inf)
+        for r, c in ctx.blocks:
             lse[r] = torch.logaddexp(lse[r], _masked_block(a, b, rows, cols, r, c).logsumexp(dim=1))
         ctx.save_for_backward(a, b, rows, cols, lse)
-        ctx.chunk_size = chunk_size
         return lse
 
     @staticmethod
@@ -217,72 +124,36 @@ class _ChunkedLogSumExp(torch.autograd.Function):
     def backward(ctx, grad):
         a, b, rows, cols, lse = ctx.saved_tensors
         grad_a, grad_b = torch.zeros_like(a), torch.zeros_like(b)
-        for r, c in _blocks(a.shape[0], b.shape[0], ctx.chunk_size):
+        for r, c in ctx.blocks:
             weights = (_masked_block(a, b, rows, cols, r, c) - lse[r, None]).exp_().mul_(grad[r, None])
             grad_a[r].addmm_(weights, b[c])
             grad_b[c].addmm_(weights.T, a[r])
         return grad_a, grad_b, None, None, None
 
 
-def _check_index(name: str, index: torch.Tensor, rows: int, n_text: int) -> None:
-    if index.dtype != torch.long or index.dim() != 2 or index.shape[0] != rows:
-        raise ValueError(f"{name} must be a long tensor [B={rows}, A], got {index.dtype} {tuple(index.shape)}")
-    if index.numel() and (index.min() < -1 or index.max() >= n_text):
-        bad = index[(index < -1) | (index >= n_text)][0].item()
-        raise ValueError(f"{name} holds {bad}, outside [-1, {n_text}) (there are {n_text} captions, -1 pads)")
-
-
-def _check_mil_nce_inputs(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction) -> None:
+def _check_mil_nce(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction) -> None:
     """Clear errors for everything `mil_nce` cannot score (a CUDA gather would return garbage instead)."""
-    if direction not in ("v2t", "both"):
-        raise ValueError(f"direction must be 'v2t' or 'both', got {direction!r}")
-    if reduction not in ("mean", "none"):
-        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    if video.dim() != 2 or text.dim() != 2 or video.shape[1] != text.shape[1]:
-        raise ValueError(f"expected video [B, D] and text [N, D], got {tuple(video.shape)} and {tuple(text.shape)}")
-    if video.shape[0] == 0 or text.shape[0] == 0:
-        raise ValueError(f"empty batch: {video.shape[0]} clips and {text.shape[0]} captions")
-    _check_index("bag_idx", bag_idx, video.shape[0], text.shape[0])
-    if (bag_idx < 0).all(dim=1).any():
-        raise ValueError(f"clip {int((bag_idx < 0).all(dim=1).nonzero()[0])} has an empty bag (a row of only -1)")
+    require(direction in ("v2t", "both") and reduction in ("mean", "none"), f"direction must be 'v2t' or 'both', "
+            f"reduction 'mean' or 'none'; got {direction!r}, {reduction!r}")
+    require(chunk_size is None or type(chunk_size) is int and chunk_size > 0,
+            f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    require(video.dim() == text.dim() == 2 and video.shape[1] == text.shape[1] and len(video) and len(text),
+            f"expected video [B, D] and text [N, D], B, N > 0; got {tuple(video.shape)}, {tuple(text.shape)}")
+    t = torch.as_tensor(temperature).detach()
+    require(t.numel() == 1 and 0 < t.item() < math.inf, f"temperature must be one positive finite number, got {t}")
+    require(torch.isfinite(video).all() and torch.isfinite(text).all(),
+            "the video or text embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)")
+    for name, index in (("bag_idx", bag_idx), ("exclude_idx", exclude_idx)):
+        if index is not None:
+            require(index.dtype == torch.long and index.dim() == 2 and len(index) == len(video),
+                    f"{name} must be a long tensor [B={len(video)}, A], got {index.dtype} {tuple(index.shape)}")
+            require(not index.numel() or -1 <= index.min() <= index.max() < len(text),
+                    f"{name} holds indices outside [-1, {len(text)}) ({len(text)} captions, -1 pads)")
+    empty = (bag_idx < 0).all(dim=1).nonzero().flatten().tolist()
+    require(not empty, f"clips {empty} have an empty bag (a row of only -1)")
     ordered = bag_idx.sort(dim=1).values
-    if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any():
-        raise ValueError("a caption appears twice in one bag; list each caption of a bag once")
+    require(not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
+            "a caption appears twice in one bag; list each caption of a bag once")
     if exclude_idx is not None:
-        _check_index("exclude_idx", exclude_idx, video.shape[0], text.shape[0])
-        clash = (exclude_idx[:, :, None] == bag_idx[:, None, :]) & (exclude_idx[:, :, None] >= 0)
-        if clash.any():
-            raise ValueError("a caption is both in clip i's bag and excluded from its negatives")
-    t = torch.as_tensor(temperature)
-    if t.numel() != 1 or not torch.isfinite(t) or t <= 0:
-        raise ValueError(f"temperature must be one positive finite number, got {temperature!r}")
-    for name, x in (("video", video), ("text", text)):
-        if not torch.isfinite(x).all():
-            raise ValueError(f"{name} embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)")
-
-
-def energy_hinge(query: torch.Tensor, docs: torch.Tensor, margin: float = 0.2, weight: float = 10.0,
-                 reduction: str = "mean") -> torch.Tensor:
-    """PromCSE's energy-based hinge term: weight · max(0, margin − cos(h_i, h_i⁺) + max_{j ≠ p(i)} cos(h_i, d_j)).
-
-    Raw cosines (no temperature). `query [B, D]`, `docs [B·(1+k), D]` laid out as in `info_nce`: query i's
-    positive is column i·(1+k), and every other document of the batch (other queries' positives and all hard
-    negatives) is a negative, so the max runs over all of them as in PromCSE's supervised loss. Defaults
-    m = 0.2 and λ = 10 are its example script's. `reduction="none"` returns the weighted term per query.
-    """
-    if reduction not in ("mean", "none"):
-        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-    if query.dim() != 2 or docs.dim() != 2:
-        raise ValueError(f"expected 2-d embeddings, got queries {tuple(query.shape)}, documents {tuple(docs.shape)}")
-    _check_dims(query, docs)
-    group = docs_per_query(len(query), len(docs))
-    if len(docs) < 2:
-        raise ValueError("the hinge needs at least one negative: one query with one document has none")
-    cosines = F.normalize(query, dim=-1) @ F.normalize(docs, dim=-1).T
-    positive_column = torch.arange(len(query), device=query.device) * group
-    positive = cosines.gather(1, positive_column[:, None]).squeeze(1)
-    hardest = cosines.scatter(1, positive_column[:, None], float("-inf")).amax(dim=1)
-    per_query = weight * torch.relu(margin - positive + hardest)
-    return per_query.mean() if reduction == "mean" else per_query
+        shared = (exclude_idx[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
+        require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")

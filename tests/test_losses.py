@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from gcbs_lib.losses import LogitScale, info_nce, late_interaction_loss, late_interaction_scores
+from gcbs_lib.losses import LogitScale, info_nce, rank_info_nce
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -38,7 +38,7 @@ def test_documents_that_do_not_divide_among_queries_are_refused():
 def test_mismatched_embedding_sizes_and_empty_batches_are_refused():
     with pytest.raises(ValueError, match="embedding sizes differ"):
         info_nce(torch.randn(4, 8), torch.randn(4, 7))
-    with pytest.raises(ValueError, match="empty batch"):
+    with pytest.raises(ValueError, match="0 documents for 0 queries"):
         info_nce(torch.randn(0, 8), torch.randn(0, 8))
 
 
@@ -71,22 +71,20 @@ def test_logit_scale_receives_the_gradient_of_the_loss():
     torch.testing.assert_close(scale.log_scale.grad, log_scale.grad, rtol=1e-12, atol=0)
 
 
-def test_late_interaction_is_the_sum_over_query_tokens_of_the_best_document_token():
-    q, d = torch.randn(3, 4, 6), torch.randn(5, 7, 6)
-    q_mask = torch.arange(4)[None] < torch.tensor([[4], [2], [1]])
-    d_mask = torch.arange(7)[None] < torch.tensor([[7], [3], [1], [5], [2]])
-    scores = late_interaction_scores((q, q_mask), (d, d_mask))
-    for a in range(3):
-        for b in range(5):
-            expected = sum(max(q[a, i] @ d[b, j] for j in range(7) if d_mask[b, j])
-                           for i in range(4) if q_mask[a, i])
-            assert scores[a, b].item() == pytest.approx(expected.item(), rel=1e-12)
+@pytest.mark.parametrize("hard_negatives", [0, 2])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_the_mean_of_the_rank_shares_is_info_nce_over_the_gathered_batch(hard_negatives, symmetric):
+    world_size, per_rank = 3, 4
+    queries, docs = torch.randn(world_size * per_rank, 8), torch.randn(world_size * per_rank * (1 + hard_negatives), 8)
+    shares = [rank_info_nce(queries, docs, 5.0, symmetric, rank=r, world_size=world_size) for r in range(world_size)]
+    torch.testing.assert_close(torch.stack(shares).mean(), info_nce(queries, docs, 5.0, symmetric), rtol=1e-14, atol=0)
 
 
-def test_late_interaction_loss_refuses_a_document_without_real_tokens():
-    q, d = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
-    mask = torch.ones(2, 3, dtype=torch.bool)
-    empty = mask.clone()
-    empty[1] = False
-    with pytest.raises(ValueError, match="no real token"):
-        late_interaction_loss((q, mask), (d, empty))
+def test_outside_a_process_group_the_rank_share_is_the_whole_loss():
+    queries, docs = torch.randn(4, 8), torch.randn(8, 8)
+    assert torch.equal(rank_info_nce(queries, docs, symmetric=True), info_nce(queries, docs, symmetric=True))
+
+
+def test_a_gathered_batch_that_does_not_split_over_the_ranks_is_refused():
+    with pytest.raises(ValueError, match="queries must split over the ranks"):
+        rank_info_nce(torch.randn(5, 8), torch.randn(5, 8), rank=0, world_size=2)

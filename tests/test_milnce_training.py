@@ -18,7 +18,7 @@ def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
     single = gradient_check(options, batch_size=16)
     experiment = MilNce(MilNceOptions(**options), seed=0, device="cpu")
     experiment.load_data()
-    order = torch.randperm(len(experiment.bags), generator=generator(0, 0, "shuffle"))[:16]
+    order = torch.randperm(len(experiment.bags["clip_video"]), generator=generator(0, 0, "shuffle"))[:16]
     halves = [experiment.collate(order[r * 8:(r + 1) * 8].tolist()).extra for r in range(2)]
     shared = set(halves[0]["caption_ids"].tolist()) & set(halves[1]["caption_ids"].tolist())
     assert shared and any((h["exclude_ids"] >= 0).any() for h in halves)  # cross-rank duplicates and exclusions occur

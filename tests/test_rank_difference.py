@@ -1,9 +1,6 @@
-"""Specification of `rank_difference` on 2 gloo ranks: the largest difference in any entry, the same whether the
-tensors are compared in one bucket or in many, and a clear error on every rank when the ranks' tensors differ in
-size or dtype; NaN where any rank holds a NaN."""
+"""Specification of `rank_difference` on 2 gloo ranks: the largest difference in any entry, NaN where any rank holds
+a NaN, and a clear error on every rank when the ranks' tensors differ in size or dtype."""
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +21,10 @@ def rank_tensors(rank: int) -> list[torch.Tensor]:
     return tensors
 
 
-def _raised_on(function, *args, **kwargs) -> tuple[int, str]:
+def raised_on(function, *args) -> tuple[int, str]:
     """On how many ranks `function` raised a ValueError, and this rank's message."""
     try:
-        function(*args, **kwargs)
+        function(*args)
         message = ""
     except ValueError as error:
         message = str(error)
@@ -36,57 +33,45 @@ def _raised_on(function, *args, **kwargs) -> tuple[int, str]:
     return int(count), message
 
 
-def checks(bucket_sizes: list[int]) -> dict:
-    """On every rank (a torchrun target): the rank difference of `rank_tensors` with each bucket size, of
-    identical tensors, and the errors of ranks holding different sizes or dtypes."""
+def checks() -> dict:
+    """On every rank (a `launch` target): the rank difference of `rank_tensors`, of identical tensors, of NaNs and
+    infinities, and the errors of ranks holding different sizes or dtypes."""
     rank, _ = rank_and_world_size()
-    mine, same = rank_tensors(rank), rank_tensors(0)
-    longer = [*same, torch.zeros(rank)]
-    other_dtype = [t.double() if rank and t.dtype == torch.float32 else t for t in same]
-    split_dtype = [torch.zeros(4), *([torch.zeros(2, dtype=torch.float64), torch.zeros(2)] if rank else
-                                     [torch.zeros(4, dtype=torch.float64)])]  # 3 buckets against 2, first alike
-    return {"differences": [rank_difference(mine, bucket_size=b) for b in bucket_sizes],
-            "identical": [rank_difference(same, bucket_size=b) for b in bucket_sizes],
+    same = rank_tensors(0)
+    return {"difference": rank_difference(rank_tensors(rank)), "identical": rank_difference(same),
             "empty": rank_difference([]),
             "nan_on": [rank_difference([torch.tensor([1.0, math.nan if rank == r else 2.0])]) for r in (0, 1)],
             "same_infinity": rank_difference([torch.tensor([math.inf, 1.0 + rank])]),
-            "sizes": _raised_on(rank_difference, longer),
-            "dtypes": _raised_on(rank_difference, other_dtype, bucket_size=4),
-            "bucket_count": _raised_on(rank_difference, split_dtype)}
+            "sizes": raised_on(rank_difference, [*same, torch.zeros(rank + 1)]),
+            "dtypes": raised_on(rank_difference, [t.double() if rank and t.dtype == torch.float32 else t
+                                                  for t in same])}
 
 
 @pytest.fixture(scope="module")
 def job():
-    with pytest.MonkeyPatch.context() as patch:  # the ranks import this module
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                 os.environ.get("PYTHONPATH")])))
-        return launch(f"{__name__}:checks", nproc=2, args={"bucket_sizes": [2**24, 16, 4, 1]}, timeout=120,
-                      echo=False)
+    return launch(checks, nproc=2, echo=False)
 
 
-def test_the_difference_is_the_largest_in_any_entry_whatever_the_bucket_size(job):
+def test_the_difference_is_the_largest_in_any_entry(job):
     expected = float(torch.cat([(a.double() - b.double()).abs().reshape(-1)
                                 for a, b in zip(rank_tensors(0), rank_tensors(1))]).max())
     assert expected == pytest.approx(1.0, abs=1e-2)  # the float16 entry's nudge is the largest
-    assert job["differences"] == [expected] * 4
+    assert job["difference"] == expected
 
 
 def test_identical_tensors_and_no_tensors_differ_by_zero(job):
-    assert job["identical"] == [0.0] * 4 and job["empty"] == 0.0
+    assert job["identical"] == 0.0 and job["empty"] == 0.0
 
 
 def test_a_nan_on_any_rank_gives_nan_and_the_same_infinity_on_every_rank_does_not_count(job):
-    assert all(math.isnan(d) for d in job["nan_on"])  # gloo's MAX and MIN keep rank 0's NaN, drop rank 1's
+    assert all(math.isnan(d) for d in job["nan_on"])  # gloo's MAX and MIN alone would drop rank 1's NaN
     assert job["same_infinity"] == 1.0
 
 
 def test_ranks_holding_different_sizes_or_dtypes_all_raise(job):
-    assert job["sizes"][0] == 2 and "different sizes (between 60 and 61 entries)" in job["sizes"][1]
-    for case in ("dtypes", "bucket_count"):
-        assert job[case][0] == 2 and "different dtypes or sizes" in job[case][1], case
+    for case in ("sizes", "dtypes"):
+        assert job[case][0] == 2 and "different sizes or dtypes" in job[case][1], case
 
 
 def test_one_process_has_nothing_to_compare():
     assert rank_difference(rank_tensors(0)) == 0.0
-    with pytest.raises(ValueError, match="bucket_size"):
-        rank_difference(rank_tensors(0), bucket_size=0)

