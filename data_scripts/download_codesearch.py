@@ -67,7 +67,8 @@ def fetch(dataset: str, root: Path) -> Path:
 
 
 def main(argv=None):
-    download_main(__doc__, fetch, list(FILES), "build the stand-in: python data_scripts/build_codesearch_standin.py", argv)
+    download_main(__doc__, fetch, list(FILES),
+                  "build the stand-in: python data_scripts/build_codesearch_standin.py", argv)
 
 
 if __name__ == "__main__":

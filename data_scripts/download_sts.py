@@ -34,7 +34,8 @@ def fetch(key: str, root: Path) -> Path:
 
 
 def main(argv=None):
-    download_main(__doc__, fetch, list(FILES), "use the stand-in (NOT STS): python data_scripts/build_sts_standin.py", argv)
+    download_main(__doc__, fetch, list(FILES),
+                  "use the stand-in (NOT STS): python data_scripts/build_sts_standin.py", argv)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,9 @@ from transformers import DynamicCache
 
 
 class PrefixPromptedEncoder(nn.Module):
-    """A frozen Hugging Face encoder that attends to a deep prompt at every layer: a drop-in backbone (the same
-    inputs and outputs). Only `prompt` trains: `[layers, 2 (key, value), heads, pre_seq_len, head_dim]`,
-    initialised N(0, 1) as in P-tuning v2. The backbone keeps its train/eval mode, so its dropout still draws
-    SimCSE's two views of a sentence."""
+    """A frozen Hugging Face encoder behind a deep prompt: a drop-in backbone (the same inputs and outputs). Only
+    `prompt` trains: `[layers, 2 (key, value), heads, pre_seq_len, head_dim]`, drawn N(0, 0.02) (the backbone's
+    initializer_range) as in PromCSE. The backbone keeps its train/eval mode: its dropout draws SimCSE's two views."""
 
     def __init__(self, backbone: nn.Module, pre_seq_len: int = 16, dropout: float | None = None):
         super().__init__()
@@ -24,7 +23,7 @@ class PrefixPromptedEncoder(nn.Module):
             raise ValueError(f"need pre_seq_len >= 1 and a prefix dropout in [0, 1), got {pre_seq_len}, {dropout}")
         head_dim = c.hidden_size // c.num_attention_heads
         self.prompt = nn.Parameter(torch.randn(c.num_hidden_layers, 2, c.num_attention_heads, pre_seq_len, head_dim)
-                                   .to(next(backbone.parameters())))
+                                   .mul(getattr(c, "initializer_range", 0.02)).to(next(backbone.parameters())))
         self.dropout = nn.Dropout(dropout)
 
     def prefix(self, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -3,6 +3,7 @@
 A profile is a papermill parameter file per notebook, `notebooks/params/<notebook>.<profile>.yaml` (`ci`: the
 defaults). `-p NAME VALUE` (a YAML literal, or the text for a string), `--nproc` and `--backend` go to each
 selected notebook with that parameter, typed like its default; a name none has is refused before anything runs.
+A notebook's `output_dir` (where it trains) is DIR/work/<notebook> unless `-p output_dir` sets it.
 DIR gets the executed notebooks, `figures/` (PNGs named <notebook>_<name> by a cell tag `figure:<name>`, else
 <notebook>_in<execution count>), `results/` (the rows notebooks `record`), `results.md` and `results.csv`
 (their table), and `run.json` (what ran, how, how long)."""
@@ -84,8 +85,11 @@ def execute(notebook: Path, parameters: dict, out: Path, prepare_only: bool = Fa
     """Run one notebook into `out` with papermill (kernel python3, in the notebook's folder); what happened."""
     start, executed = time.monotonic(), out / notebook.name
     outcome = {"parameters": parameters, "status": "prepared" if prepare_only else "ok", "error": ""}
+    source = nbformat.read(notebook, as_version=4)
+    for cell in source.cells:  # without the committed outputs, also in a prepared copy
+        cell.update({"outputs": [], "execution_count": None} if cell.cell_type == "code" else {})
     try:
-        papermill.execute_notebook(notebook, executed, parameters=parameters, kernel_name="python3",
+        papermill.execute_notebook(source, executed, parameters=parameters, kernel_name="python3",
                                    cwd=notebook.parent, prepare_only=prepare_only)
     except papermill.PapermillExecutionError as error:
         outcome.update(status="failed", error=f"cell In [{error.exec_count}] (starts "
@@ -111,16 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failing notebook")
     parser.add_argument("--prepare-only", action="store_true", help="inject the parameters, execute nothing")
     args = parser.parse_args(argv)
+    out = args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if args.nproc is not None and args.nproc < 1:
         parser.error("--nproc must be at least 1")
+    if out.exists() and not out.is_dir():
+        parser.error(f"--output-dir {out} is a file, not a folder")
     try:
         overrides = {name: (yaml.safe_load(text), text, f"-p {name}") for name, text in args.parameter}
         overrides |= {k: (v, v, f"--{k}") for k, v in (("nproc", args.nproc), ("backend", args.backend)) if v}
-        plans = plan(discover(NOTEBOOKS, args.only), args.profile, overrides)
+        plans = plan(notebooks := discover(NOTEBOOKS, args.only), args.profile, overrides)
     except (ValueError, yaml.YAMLError) as error:  # a usage error: nothing was run
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    out = args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        parser.error(str(error))
+    for notebook, parameters in plans.items():  # its training runs stay in this run's folder
+        if "output_dir" in notebooks[notebook] and "output_dir" not in overrides:
+            parameters["output_dir"] = str((out / "work" / notebook.stem).resolve())
     for stale in ("figures", "results"):  # a folder used before: its earlier run's figures and rows go
         shutil.rmtree(out / stale, ignore_errors=True)
     (out / "figures").mkdir(parents=True)
@@ -139,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     write_text_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
     lines = build_table([row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)], run["commit"])
     write_csv(out / "results.csv", lines)
-    write_text_atomic(out / "results.md", f"# `{run['command']}`\n\nat {run['commit']}\n\n{to_markdown(lines)}")
+    tables = [f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
+              for name in dict.fromkeys(line.experiment for line in lines)]  # one table per experiment
+    smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n" if args.profile == "ci" else ""
+    write_text_atomic(out / "results.md", f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n" + "\n".join(tables))
     failed = [f"FAILED {name}: {n['error']}\n    see {out / name}.ipynb" for name, n in run["notebooks"].items()
               if n["status"] == "failed"]
     print("\n".join([f"results.md, results.csv and figures/ in {out}/", *failed]), file=sys.stderr if failed else None)

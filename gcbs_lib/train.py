@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
+import subprocess
 import time
+from datetime import timedelta
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
+from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, results, seeding
@@ -44,6 +47,7 @@ class TrainConfig:
     max_steps: int | None = None           # stop (and end the schedule) earlier than `epochs` would
     lr: float = 2e-5
     weight_decay: float = 0.0
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: with momentum 0.9 (its weight decay is L2)
     schedule: Literal["linear", "cosine", "constant"] = "linear"  # after `warmup_steps` of linear warmup
     warmup_steps: int = 0
     clip_norm: float | None = 1.0
@@ -71,8 +75,7 @@ class TrainConfig:
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """`value` (typed, or a `--set` string read as yaml) as the field type `annotation`, or a clear error."""
-    choices = get_args(annotation) if get_origin(annotation) is not Literal else ()
-    choices = choices or (annotation,)
+    choices = (get_args(annotation) if get_origin(annotation) is not Literal else ()) or (annotation,)
     parsed = yaml.safe_load(value) if isinstance(value, str) and value.strip() else value
     if type(None) in choices and (parsed is None or parsed in ("none", "None")):
         return None
@@ -113,6 +116,17 @@ def atomic_save(state: Any, path: Path) -> None:
     os.replace(path.with_name(f".{path.name}.tmp"), path)
 
 
+def code_fingerprint() -> dict:
+    """The sha256 of the package's code and profiles (files sorted by path), its commit (`git describe`), now."""
+    digest = hashlib.sha256()
+    for path in sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")]):
+        digest.update(path.read_bytes())
+    commit, git = "unknown", ["git", "-C", str(CONFIG_DIR), "describe", "--always", "--dirty=+dirty"]
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        commit = subprocess.run(git, capture_output=True, text=True, check=True).stdout.strip()
+    return {"sha256": digest.hexdigest(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
 def load_checkpoint(path: str | Path) -> dict:
     """A checkpoint written by `train`, on the CPU, tensors and plain containers only (`weights_only`)."""
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -131,6 +145,8 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, output_dir: str | Path):
         self.config, self.dir = config, Path(output_dir)
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ValueError(f"output directory {self.dir} is a file: name a folder (made if missing)")
         self.rank, self.world_size = distributed.rank_and_world_size()
         self.main, part = self.rank == 0, config.batch_size // self.world_size
         self.rows = slice(self.rank * part, (self.rank + 1) * part)  # this rank's rows of each global batch
@@ -159,7 +175,8 @@ class Trainer:
         wrapped = {id(m): DistributedDataParallel(m, device_ids=ids) for m in {id(m): m for m in modules}.values()
                    if self.world_size > 1 and any(p.requires_grad for p in m.parameters())}
         self.branch_modules = [wrapped.get(id(m), m) for m in modules]
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, weight_decay=config.weight_decay)
+        make, extra = (torch.optim.SGD, {"momentum": 0.9}) if config.optimizer == "sgd" else (torch.optim.AdamW, {})
+        self.optimizer = make(self.parameters, lr=config.lr, weight_decay=config.weight_decay, **extra)
         self.scheduler = get_scheduler("constant_with_warmup" if config.schedule == "constant" else config.schedule,
                                        self.optimizer, config.warmup_steps, self.total_steps)
         self.stateful.update(optimizer=self.optimizer, scheduler=self.scheduler)  # what checkpoint.pt restores
@@ -190,7 +207,7 @@ class Trainer:
                 self._log({"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores})
             if self.main and (self.step % config.checkpoint_every == 0 or done):
                 state = {k: getattr(self, k) for k in STATE} | {k: v.state_dict() for k, v in self.stateful.items()}
-                atomic_save({**state, "config": asdict(config)}, self.dir / "checkpoint.pt")
+                atomic_save({**state, "config": asdict(config), "code": self.code}, self.dir / "checkpoint.pt")
         return self._summary() if self.main else None
 
     def _plan_epoch(self) -> dict:
@@ -201,7 +218,7 @@ class Trainer:
             if config.sampler != "random" or config.log_loss_gap:  # one embedding of the training set serves both
                 pairs = self._in_eval_mode(lambda model: [self.experiment.pair_embeddings(model, items) for items in
                                                           torch.arange(n).split(config.embed_batch_size)])
-                z1, z2 = (torch.cat([pair[i].float().cpu() for pair in pairs]) for i in (0, 1))
+                z1, z2 = (torch.cat([pair[i].float() for pair in pairs]) for i in (0, 1))  # kept on the device
             embedded = time.perf_counter()
             shuffle, mine = (seeding.generator(config.seed, self.epoch, purpose) for purpose in ("shuffle", "mining"))
             order = torch.randperm(n, generator=shuffle)
@@ -271,14 +288,27 @@ class Trainer:
             self.log_lines += 1
 
     def _resume(self) -> None:
-        """Restore checkpoint.pt if there is one, else start metrics.jsonl afresh."""
-        path, log = self.dir / "checkpoint.pt", self.dir / "metrics.jsonl"
-        if not path.exists():
-            return log.write_text("") if self.main else None
-        state = load_checkpoint(path)
-        if changed := [k for k, v in asdict(self.config).items() if k not in RESUMABLE and state["config"].get(k) != v]:
+        """Restore checkpoint.pt if this code made it (else redo the run; other settings: refused), and say so."""
+        path, log, self.code = self.dir / "checkpoint.pt", self.dir / "metrics.jsonl", code_fingerprint()
+        state = load_checkpoint(path) if path.exists() else {}
+        old = state.get("config", asdict(self.config))
+        if changed := [k for k, v in asdict(self.config).items() if k not in RESUMABLE and old.get(k) != v]:
             raise ValueError(f"{path} was written with other settings ({', '.join(changed)}): use another output "
                              f"directory, or the same settings to resume")
+        made, say = state.get("code", {}), tqdm.write if self.main else lambda message: None
+        if state and made.get("sha256") != self.code["sha256"]:
+            say(f"redoing {self.dir}: its checkpoint was made by other code (commit {made.get('commit', 'unknown')}, "
+                f"{made.get('date', 'unknown date')})")
+            if self.world_size > 1:
+                dist.barrier()  # every rank has read it before rank 0 removes it
+            for name in ("checkpoint.pt", "best.pt", "metrics.jsonl", "results.json"):
+                if self.main:
+                    (self.dir / name).unlink(missing_ok=True)
+            state = {}
+        if not state:
+            return log.write_text("") if self.main else None
+        say(f"reusing {self.dir}: finished at step {state['step']}, made {made['date']}, commit {made['commit']}"
+            if state["step"] == self.total_steps else f"resuming {path} at step {state['step']} of {self.total_steps}")
         for key, part in self.stateful.items():
             part.load_state_dict(state[key])
         vars(self).update({key: state[key] for key in STATE})
@@ -326,16 +356,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="a TrainConfig field or an option of the experiment (repeatable)")
     arguments = parser.parse_args(argv)
     overrides = {k: getattr(arguments, k) for k in ("seed", "sampler") if getattr(arguments, k) is not None}
-    try:
+    try:  # bad settings, a bad output directory or bad data: one line, no traceback
         if not all("=" in pair for pair in arguments.overrides):
             raise ValueError(f"--set takes KEY=VALUE, got {arguments.overrides}")
         overrides = {**dict(pair.split("=", 1) for pair in arguments.overrides), **overrides}
         config = load_config(arguments.experiment, arguments.profile, overrides)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
+            dist.init_process_group("nccl" if config.device == "cuda" else "gloo", timeout=timedelta(hours=3))
+        trainer = Trainer(config, arguments.output_dir)
     except (KeyError, ValueError) as error:
         parser.error(error.args[0] if isinstance(error, KeyError) else str(error))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
-        dist.init_process_group("nccl" if config.device == "cuda" else "gloo")
-    summary = train(config, arguments.output_dir)
+    summary = trainer.fit()
     if summary is not None:
         print(json.dumps({key: summary[key] for key in ("test", "best_step", "output_dir")}))
 

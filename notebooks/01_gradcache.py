@@ -303,7 +303,7 @@ print(f"{'batch':>6} {'plain MiB':>10} {'GradCache MiB':>14}")
 for i, b in enumerate(memory_batch_sizes):
     print(f"{b:>6} {memory_mib['plain'][i]:>10.1f} {memory_mib['gradcache'][i]:>14.1f}")
 
-# %%
+# %% tags=["figure:memory-vs-batch-size"]
 fig, ax = plt.subplots(figsize=(5.5, 3.5))
 for method, label in (("plain", "plain full batch"), ("gradcache", f"GradCache, chunk {memory_chunk_size}")):
     ax.plot(memory_batch_sizes, memory_mib[method], marker="o", label=label)

@@ -266,12 +266,12 @@ for w in chart_world_sizes:
 sweep_as_predicted = all(as_predicted(sweep[name, w], predicted_ratios(w)[name]) for name, w in sweep)
 print("every ratio as the table predicts, at W =", chart_world_sizes, ":", sweep_as_predicted)
 
-# %%
+# %% tags=["figure:gradient-ratio-per-convention"]
 NAMES = {"kit": "kit: gather with grad, share $L_r$", "loss_x_W": "gather with grad, share × W",
          "no_grad": "gather without grad, global $L$", "no_grad_x_W": "gather without grad, global × W",
          "milnce": "MIL-NCE AllGather, global $L$", "no_grad_share": "gather without grad, share $L_r$"}
 ticks = sorted({Fraction(w) for w in chart_world_sizes} | {1 / Fraction(w) for w in chart_world_sizes} | {1})
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharex=True, sharey=True)
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharex=True, sharey=True, layout="constrained")
 for ax, k, title in zip(axes, (0, 1), ("encoder gradient", "logit-scale gradient")):
     for i, w in enumerate(chart_world_sizes):
         y = np.arange(len(NAMES))[::-1] + (i - (len(chart_world_sizes) - 1) / 2) * 0.2
@@ -284,6 +284,8 @@ for ax, k, title in zip(axes, (0, 1), ("encoder gradient", "logit-scale gradient
     ax.set_xticks([float(t) for t in ticks], [str(t) for t in ticks])
     ax.xaxis.set_minor_locator(plt.NullLocator())
 axes[0].set_yticks(np.arange(len(NAMES))[::-1], list(NAMES.values()))
+axes[0].set_ylabel("gradient convention")
+fig.suptitle("DDP gradient of each convention ÷ the full batch's, by world size W (1: as the full batch)")
 axes[1].scatter([], [], facecolors="none", edgecolors="0.3", label="not a multiple")
 axes[1].legend(fontsize=8, loc="center left")
 plt.show()

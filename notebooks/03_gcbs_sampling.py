@@ -284,7 +284,7 @@ print(f"GCBS: {bandwidth_ratio:.1%} of the random order's bandwidth, "
 # of the graph $G_t$, each red square one batch. A dot inside a red square is a hard pair kept in one batch; a
 # dot outside is a cut edge (clusters do not line up exactly with batches, so some are cut).
 
-# %%
+# %% tags=["figure:similarity-in-gcbs-order"]
 similarity = (F.normalize(z1, dim=1) @ F.normalize(z2, dim=1).T).cpu()
 g = planted["order"].numpy()
 fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), dpi=72, layout="constrained")
@@ -367,23 +367,26 @@ for q in quantiles:
 # batches (dashed grey line, its sd band shaded). Look for the gap below the random line, the top-$k$ share
 # far above it, and the cut share far below it.
 
-# %%
-fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+# %% tags=["figure:gap-share-cut-vs-quantile"]
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
 labels = {"gap": r"loss gap $\mathcal{L}^{Global} - \mathcal{L}^{Train}$", "share": f"top-{top_k} in-batch share"}
-for ax, (key, label) in zip(axes, labels.items()):
+titles = ("loss gap of the batches", f"top-{top_k} neighbours kept in one batch")
+for ax, (key, label), title in zip(axes, labels.items(), titles):
     means, sds = zip(*[arm_stat("GCBS", q, key) for q in quantiles])
     ax.errorbar(quantiles, means, yerr=sds, marker="o", capsize=3, label="GCBS")
     r_mean, r_sd = arm_stat("random", None, key)
     ax.axhspan(r_mean - r_sd, r_mean + r_sd, color="0.8")
     ax.axhline(r_mean, color="0.4", ls="--", label="random batches")
-    ax.set(xlabel="quantile q", ylabel=label)
+    ax.set(xlabel="quantile q", ylabel=label, title=title)
 for arm, style in [("GCBS", dict(marker="o")), ("random", dict(marker="s", color="0.4", ls="--"))]:
     means, sds = zip(*[cut_share(arm, q) for q in quantiles])
     axes[2].errorbar(quantiles, means, yerr=sds, capsize=3, label=f"{arm} batches" if arm == "random" else arm, **style)
-axes[2].set(xlabel="quantile q", ylabel="share of the edges of $G_t$ cut", ylim=(0, 1.05))
+axes[2].set(xlabel="quantile q", ylabel="share of the edges of $G_t$ cut", ylim=(0, 1.05),
+            title="edges cut by the batches")
 for ax in axes:
     ax.set_xticks(quantiles, [str(q) for q in quantiles])
 axes[0].legend()
+fig.suptitle("GCBS against random batches by quantile q (mean ± sd over seeds)")
 plt.show()
 
 # %% [markdown]
@@ -434,7 +437,7 @@ costs = costs[1:]
 for n, floor, kit in costs:
     print(f"N = {n:6d}: floor {floor:.3f} s, GCBS permutation {kit:.3f} s ({kit / floor:.1f}× the floor)")
 
-# %%
+# %% tags=["figure:permutation-cost-vs-n"]
 fig, ax = plt.subplots(figsize=(6, 4))
 ax.loglog(cost_sizes, [kit for _, _, kit in costs], marker="o", label="GCBS permutation")
 ax.loglog(cost_sizes, [floor for _, floor, _ in costs], marker="s", color="0.4", ls="--", label="floor: matmul pass")

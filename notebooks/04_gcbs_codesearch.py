@@ -48,12 +48,11 @@ data_root = ""                    # empty: gcbs_lib.data.data_root(), i.e. env G
 overrides = {}                    # further config keys for every run, e.g. {"epochs": 3}
 nproc = 1                         # DDP ranks per run (torchrun through gcbs_lib.distributed.launch)
 backend = "gloo"                  # "nccl" on GPUs
-output_dir = ""                   # empty: a fresh temporary folder; an earlier run's folder resumes its runs
+output_dir = "../runs/04_gcbs_codesearch"   # one folder per run; a finished run is loaded, not retrained
 
 # %%
 import inspect
 import math
-import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -73,7 +72,7 @@ settings = {**overrides, "device": device, **({"data": data} if data else {}),
             **({"data_root": data_root} if data_root else {})}
 configs = arm_configs("codesearch", profile, arms, seeds, settings)  # what run_arms trains, seed by seed
 base = configs[arms[0], seeds[0]]
-runs = Path(output_dir or tempfile.mkdtemp(prefix="04_gcbs_codesearch-"))
+runs = Path(output_dir) / profile
 experiment = experiments.get("codesearch")(base.options, seed=seeds[0], device=device)
 train_set = experiment.load_data()
 torch.manual_seed(seeds[0])
@@ -201,12 +200,12 @@ delta = arms_table(summaries, "test_mrr", paper.deltas[which],
 # given: with an untrained encoder (the `ci` profile) a few "hub" codes resemble everything, and RCM gathers
 # them into a few batches, which can *raise* the gap of the others.
 
-# %%
+# %% tags=["figure:dev-mrr-and-loss-gap"]
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
 plot_over_seeds(left, summaries, arms, "dev", "mrr")
 gaps = plot_over_seeds(right, summaries, arms, "epochs", "loss_gap")
-left.set(ylabel="dev MRR (mean over seeds)", title="dev MRR")
-right.set(ylabel="L_Global − L_Train", title="loss gap of the batches trained on")
+left.set(ylabel="dev MRR (mean over seeds)", title=f"code search dev MRR ({profile} profile)")
+right.set(ylabel="L_Global − L_Train", title="loss gap of the batches trained on, per epoch")
 right.set_xticks(range(len(gaps[arms[0]])))
 plt.tight_layout()
 plt.show()

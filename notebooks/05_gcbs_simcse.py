@@ -133,7 +133,7 @@ record(rows, "05_gcbs_simcse")
 # Left: each arm's dev curve, mean over seeds (the best dev step is the model scored on test). Right: the loss
 # gap of the batches each arm trained on, measured at each epoch start (τ = 0.05), mean over seeds.
 
-# %%
+# %% tags=["figure:dev-spearman-and-loss-gap"]
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
 plot_over_seeds(left, summaries, arms, "dev", "spearman")
 for arm, gaps in plot_over_seeds(right, summaries, arms, "epochs", "loss_gap").items():

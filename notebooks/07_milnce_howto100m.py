@@ -254,12 +254,12 @@ settings = [dict(clips=b, bag_size=memory_bag_size, dim=memory_dim, chunk_size=c
 peaks = np.array([fresh_process_bytes(["-c", PROBE, json.dumps(s)], s) for s in settings]).reshape(-1, 2) / 2**20
 captions_n = [b * memory_bag_size for b in memory_clips]
 
-# %%
+# %% tags=["figure:memory-vs-captions"]
 plt.figure(figsize=(5, 3.2))
 plt.plot(captions_n, peaks[:, 0], "o-", label="full B×N scores")
 plt.plot(captions_n, peaks[:, 1], "s-", label=f"chunked, c = {memory_chunk_size}")
 plt.xlabel("captions N (B = N / K)"); plt.ylabel("peak memory (MiB)"); plt.xscale("log", base=2)
-plt.title("MIL-NCE forward + backward"); plt.legend(); plt.tight_layout(); plt.show()
+plt.title("MIL-NCE forward + backward: peak memory"); plt.legend(); plt.tight_layout(); plt.show()
 for n, (full, chunked) in zip(captions_n, peaks):
     print(f"N={n:>5}: full {full:7.1f} MiB   chunked {chunked:6.1f} MiB")
 
@@ -364,7 +364,7 @@ for name, summary in (("DDP", ddp_summary), ("1 process", one_summary)):
 # Text → video retrieval on held-out planted videos: each step's true caption is the query, the clips of all
 # held-out steps the candidates; R@K counts a candidate that ties the match as ranked above it (pessimistic).
 
-# %%
+# %% tags=["figure:recall-vs-bag-size"]
 def run(overrides, name):
     """Train the milnce experiment (`profile`, then `overrides`) in `work / name`; the run's summary."""
     return train(load_config("milnce", profile, {"device": device, **overrides}), work / name)
@@ -378,7 +378,8 @@ plt.figure(figsize=(5, 3.2))
 for s in sigmas:
     plt.plot(bag_sizes, [r10[s, k] for k in bag_sizes], "o-", label=f"σ = {s:g} s")
 plt.axhline(10 / 144, color="gray", ls=":", label="chance")
-plt.xlabel("bag size K"); plt.ylabel("test R@10 (text → video)"); plt.legend(); plt.tight_layout(); plt.show()
+plt.xlabel("bag size K"); plt.ylabel("test R@10 (text → video)"); plt.legend()
+plt.title("retrieval against bag size K and narration noise σ"); plt.tight_layout(); plt.show()
 
 # %%
 print("σ    K   R@1    R@5    R@10   MedR")
@@ -457,7 +458,7 @@ print(diverged)
 # * **Chance level.** With uninformative embeddings the loss starts near ln B ("v2t") or ln 2B ("both") for
 #   B clips in the global batch with disjoint bags; a loss that stays there is not learning.
 
-# %%
+# %% tags=["figure:ddp-loss-and-gradient-norm"]
 steps = [json.loads(line) for line in (work / "ddp" / "metrics.jsonl").read_text().splitlines()]
 norms = np.array([r["grad_norm"] for r in steps if r["kind"] == "step"])
 losses = np.array([r["loss"] for r in steps if r["kind"] == "step"])
@@ -466,6 +467,7 @@ fig, axes = plt.subplots(1, 2, figsize=(8, 3))
 axes[0].plot(losses); axes[0].axhline(math.log(2 * batch_size), color="gray", ls=":", label="ln 2B")
 axes[0].set_xlabel("step"); axes[0].set_ylabel("loss"); axes[0].legend()
 axes[1].plot(norms); axes[1].set_xlabel("step"); axes[1].set_ylabel("gradient norm")
+axes[0].set_title("DDP run: training loss"); axes[1].set_title("DDP run: gradient norm")
 plt.tight_layout(); plt.show()
 print(f"first loss {losses[0]:.2f} vs ln 2B = {math.log(2 * batch_size):.2f}")
 print(f"rank-sync checks in the DDP run: {len(synced)}, largest difference between ranks: {max(synced, default=0.0)}")

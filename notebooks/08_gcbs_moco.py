@@ -159,7 +159,7 @@ print(f"positive keys in their query's split: {same_split:.2f} (chance 1/{norm.s
 # v2's colour jitter is left out). The trainer reseeds torch's generator every step, so the views of a run are a
 # function of its seed and step: the same stream seed gives the same views.
 
-# %%
+# %% tags=["figure:augmented-views"]
 views, x = experiment.views.train(), experiment.train[:6]
 torch.manual_seed(stream_seed(seed, 0, "dropout/rank0/step0"))
 first, second = views(x), views(x)
@@ -170,7 +170,7 @@ for column in range(6):
     for row, picture in enumerate((x[column].float() / 255, first[column] * 0.5 + 0.5, second[column] * 0.5 + 0.5)):
         axes[row, column].imshow(picture.permute(1, 2, 0).clamp(0, 1).squeeze(-1), cmap="gray")
         axes[row, column].axis("off")
-fig.suptitle("image, view 1, view 2")
+fig.suptitle("rows: training images, their view 1, their view 2")
 plt.show()
 
 # %% [markdown]
@@ -196,7 +196,7 @@ record(rows, "08_gcbs_moco")
 # planned batches at each epoch start. MoCo's loss uses the queue, not in-batch negatives, so here the gap
 # describes the batches that enter the queue together; random batches stay near $\log(N/B)$.
 
-# %%
+# %% tags=["figure:knn-accuracy-and-loss-gap"]
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
 plot_over_seeds(left, summaries, arms, "dev", "knn_accuracy")
 for arm, gaps in plot_over_seeds(right, summaries, arms, "epochs", "loss_gap").items():

@@ -2,13 +2,16 @@
 use), duplicate groups, collation with mined negatives, the loss, and evaluation against the whole pool."""
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from gcbs_lib import experiments
+from gcbs_lib.data import data_root
 from gcbs_lib.experiments.codesearch import CodeSearch, duplicate_groups
 from gcbs_lib.losses import info_nce
+from gcbs_lib.train import main
 
 
 def tiny(**options):
@@ -83,8 +86,30 @@ def test_missing_real_data_and_unknown_data_names_are_refused(tmp_path):
         tiny(data="nope").load_data()
 
 
-def test_a_query_without_a_match_in_its_pool_fails_before_training(tmp_path):
-    rows = [{"url": f"u{i}", "docstring_tokens": ["q"], "code_tokens": ["c", str(i)]} for i in range(4)]
-    write_layout(tmp_path / "codesearch" / "CSN" / "python", rows, pool=rows[:1])
-    with pytest.raises(ValueError, match="3 of 4 queries .* have no match in the pool"):
-        tiny(data="csn", data_root=str(tmp_path)).load_data()
+def test_a_data_root_that_does_not_exist_is_refused_before_anything_is_made(tmp_path, capsys):
+    missing = f"/nonexistent-{tmp_path.name}"
+    with pytest.raises(SystemExit) as exit:
+        main(["--experiment", "codesearch", "--output-dir", str(tmp_path / "run"), "--set", f"data_root={missing}"])
+    assert exit.value.code == 2 and f"error: data_root {missing} does not exist: create it, or leave data_root " \
+        f"unset for {data_root()}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not Path(missing).exists()
+    assert data_root(str(tmp_path / "new"), "data_dir", built_here=True) == tmp_path / "new"  # a folder to build
+    with pytest.raises(ValueError, match="data_dir .*/new: its parent folder does not exist"):
+        data_root(f"{missing}/new", "data_dir", built_here=True)
+
+
+def test_pool_keys_missing_or_repeated_are_counted_when_the_data_loads_and_scored_as_unixcoder_does(tmp_path, capsys):
+    """A query whose key is not in the pool scores 0 (not an error at the first evaluation); of a key repeated in
+    the pool only its first row stays. One line per split counts both, before any training step."""
+    rows = [{"url": f"u{i}", "docstring_tokens": ["q", str(i)], "code_tokens": ["c", str(i)]} for i in range(4)]
+    repeat = {**rows[0], "code_tokens": ["another", "c"]}
+    write_layout(tmp_path / "codesearch" / "CSN" / "python", rows, pool=[rows[0], rows[1], repeat, rows[2]])
+    experiment = tiny(data="csn", data_root=str(tmp_path))
+    experiment.load_data()
+    assert capsys.readouterr().out.splitlines() == [f"{split}: 1 queries with no pool key (scored 0), 1 repeated keys "
+                                                    "(first kept)" for split in ("dev", "test")]
+    task = experiment.tasks["test"]
+    assert task.codes == ["c 0", "c 1", "c 2"] and task.positive.tolist() == [0, 1, 2, -1]
+    with torch.no_grad():
+        scores = experiment.evaluate(experiment.build_model().eval(), "test")
+    assert scores["recall@10"] == 0.75 and scores["mrr"] <= 0.75  # the pool holds 3 codes: only u3 misses

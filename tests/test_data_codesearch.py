@@ -153,12 +153,14 @@ def test_retrieval_task_uses_the_split_itself_as_advtest_pool(tmp_path):
     assert task.positive.tolist() == [0, 1] and task.codes[1] == "def func ( ) : pass"
 
 
-def test_retrieval_task_refuses_unmatched_and_ambiguous_keys(tmp_path):
+def test_retrieval_task_scores_unmatched_queries_minus_one_and_keeps_the_first_of_repeated_keys(tmp_path):
     queries = write_jsonl(tmp_path / "test.jsonl", CSN)
-    with pytest.raises(ValueError, match="1 of 2 queries .* have no match"):
-        retrieval_task(queries, write_jsonl(tmp_path / "codebase.jsonl", CSN[:1]))
-    with pytest.raises(ValueError, match="appears twice"):
-        retrieval_task(queries, write_jsonl(tmp_path / "codebase.jsonl", CSN + CSN[:1]))
+    task = retrieval_task(queries, write_jsonl(tmp_path / "codebase.jsonl", CSN[:1]))
+    assert task.positive.tolist() == [0, -1] and (task.missing, task.repeated) == (1, 0)
+    pool = [CSN[0], CSN[1], {**CSN[0], "code_tokens": ["x"]}]  # CSN[0]'s key again
+    task = retrieval_task(queries, write_jsonl(tmp_path / "codebase.jsonl", pool))
+    assert task.positive.tolist() == [0, 1] and (task.missing, task.repeated) == (0, 1) and len(task.codes) == 2
+    assert task.codes[0] != "x"
 
 
 # ------------------------------------------------------------------------------------------- stand-in builder

@@ -60,3 +60,21 @@ def test_profile_files_are_named_for_a_notebook_and_a_runner_profile_and_set_onl
     values = yaml.safe_load(profile.read_text())
     assert values.get("profile", name) == name
     assert set(values) <= set(parameters(NOTEBOOKS / f"{stem}.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_every_plot_cell_is_tagged_with_what_its_figure_shows(script):
+    """The runner names a figure `<notebook>_<name>.png` after its cell's tag `figure:<name>`."""
+    for cell in code_cells(script):
+        if "plt.show()" in cell.source:
+            assert any(t.startswith("figure:") for t in cell.metadata.get("tags", [])), cell.source.splitlines()[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_committed_outputs_hold_no_paths_of_the_authors_machine(script):
+    for cell in nbformat.read(script.with_suffix(".ipynb"), as_version=4).cells:
+        for output in cell.get("outputs", []):
+            text = output.get("text", "") + "".join(str(v) for k, v in output.get("data", {}).items()
+                                                    if k.startswith("text/")) + "".join(output.get("traceback", []))
+            found = [p for p in ("/work/", "/home/", "/root/", "/tmp/", "site-packages") if p in text]
+            assert not found, f"cell {cell.get('execution_count')} prints {found}: {text[:200]!r}"

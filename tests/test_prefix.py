@@ -73,6 +73,11 @@ def test_the_prefix_changes_the_output_and_its_length_is_pre_seq_len():
         assert not torch.allclose(out, plain)
 
 
+def test_the_prompt_starts_as_promcse_s_does_from_n_0_002_the_backbone_s_initializer_range():
+    prompt = PrefixPromptedEncoder(tiny_bert(), pre_seq_len=16).prompt  # 3072 values
+    assert prompt.dtype == torch.float64 and abs(prompt.mean()) < 2e-3 and 0.018 < prompt.std() < 0.022
+
+
 def test_only_the_prefix_is_trainable_and_the_backbone_grads_stay_none():
     model = tiny_bert(dropout=0.1).train()
     prompted = PrefixPromptedEncoder(model, pre_seq_len=PREFIX)

@@ -30,14 +30,16 @@ PLOTTING = HEADER + """
 # %% tags=["parameters"]
 n = 3
 profile = "ci"
+output_dir = "../runs/02_plot"
 
 # %% tags=["figure:line"]
 import matplotlib.pyplot as plt
 from gcbs_lib.results import record, result_row
 plt.plot([0, n])
 plt.show()
-rows = [result_row(experiment="toy", arm=arm, seed=seed, metric="score", value=n + seed + (arm == "gcbs"),
-                   profile=profile, data="planted", model="none") for arm in ("random", "gcbs") for seed in (0, 1)]
+rows = [result_row(experiment=name, arm=arm, seed=seed, metric="score", value=n + seed + (arm == "gcbs"),
+                   profile=profile, data="planted", model="none")
+        for name in ("toy", "other") for arm in ("random", "gcbs") for seed in (0, 1)]
 record(rows, "02_plot")
 
 # %%
@@ -48,7 +50,8 @@ plt.show()
 
 @pytest.fixture(scope="module")
 def toy_notebooks(tmp_path_factory):
-    """01_fail (divides by zero in its second cell) and 02_plot (two figures, four result rows)."""
+    """01_fail (divides by zero in its second cell) and 02_plot (an output_dir, two figures, eight result rows of
+    two experiments)."""
     folder = tmp_path_factory.mktemp("notebooks")
     for name, text in (("01_fail", FAILING), ("02_plot", PLOTTING)):
         nbformat.write(jupytext.reads(text, fmt="py:percent"), folder / f"{name}.ipynb")
@@ -56,7 +59,10 @@ def toy_notebooks(tmp_path_factory):
 
 
 def run(capsys, *args):
-    status = reproduce.main([str(a) for a in args])
+    try:
+        status = reproduce.main([str(a) for a in args])
+    except SystemExit as usage_error:  # argparse's parser.error
+        status = usage_error.code
     captured = capsys.readouterr()
     return status, captured.out, captured.err
 
@@ -77,7 +83,10 @@ def test_every_notebook_gets_its_profile_file_the_overrides_it_has_and_ranks_if_
         expected = {"profile": "cpu", **(yaml.safe_load(profile_file.read_text()) if profile_file.exists() else {}),
                     "device": "cuda"}
         expected |= {k: v for k, v in (("nproc", 3), ("backend", "gloo")) if k in defaults}
+        expected |= {"output_dir": str(tmp_path.resolve() / "work" / notebook.stem)} if "output_dir" in defaults else {}
+        prepared = nbformat.read(tmp_path / notebook.name, as_version=4)
         assert injected(tmp_path / notebook.name) == expected, notebook.name
+        assert not any(c.get("outputs") or c.get("execution_count") for c in prepared.cells), "committed outputs"
     assert json.loads((tmp_path / "run.json").read_text())["profile"] == "cpu"
 
 
@@ -86,7 +95,7 @@ def test_an_unknown_parameter_is_refused_before_anything_runs_naming_the_noteboo
     status, _, err = run(capsys, "-p", "no_such_parameter", "1", "--output-dir", tmp_path / "out")
     assert status == 2 and not (tmp_path / "out").exists()
     assert "'no_such_parameter'" in err and "nothing was run" in err
-    listed = dict(line.strip().split(": ", 1) for line in err.splitlines()[1:])
+    listed = dict(line.strip().split(": ", 1) for line in err.partition("Valid parameters:\n")[2].splitlines())
     for notebook in NOTEBOOKS.glob("[0-9]*.ipynb"):
         assert set(papermill.inspect_notebook(str(notebook))) == set(listed[notebook.stem].split(", "))
 
@@ -133,10 +142,13 @@ def test_a_failing_notebook_exits_non_zero_naming_its_cell_and_the_others_still_
     assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == ["02_plot_in4.png", "02_plot_line.png"]
     assert (tmp_path / "figures" / "02_plot_line.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in (tmp_path / "results").iterdir()] == ["02_plot.json"]
-    assert len(read_rows(tmp_path / "results" / "02_plot.json")) == 4
+    assert len(read_rows(tmp_path / "results" / "02_plot.json")) == 8
     table = (tmp_path / "results.md").read_text()
+    assert table.startswith("ci profile: a smoke test; these numbers mean nothing about GCBS\n")
     assert "| toy | gcbs | score | — | 4.5 ± 0.71 (n=2) | +1 ± 0 | planted | none | ci |" in table
-    assert (tmp_path / "results.csv").read_text().count("\n") == 3
+    toy, other = table.split("## toy\n")[1].split("## other\n")  # one table per experiment
+    assert "| toy |" in toy and "| other |" not in toy and "| other |" in other and "| toy |" not in other
+    assert (tmp_path / "results.csv").read_text().count("\n") == 5
     assert RESULTS_DIR_VARIABLE not in os.environ
 
 
@@ -144,3 +156,27 @@ def test_fail_fast_stops_at_the_first_failing_notebook(toy_notebooks, tmp_path, 
     monkeypatch.setattr(reproduce, "NOTEBOOKS", toy_notebooks)
     status, _, err = run(capsys, "--output-dir", tmp_path, "--fail-fast")
     assert status == 1 and "FAILED 01_fail" in err and not (tmp_path / "02_plot.ipynb").exists()
+
+
+def test_a_notebook_trains_inside_the_run_folder_unless_output_dir_is_given(toy_notebooks, tmp_path, capsys,
+                                                                             monkeypatch):
+    monkeypatch.setattr(reproduce, "NOTEBOOKS", toy_notebooks)
+    assert run(capsys, "--prepare-only", "--output-dir", tmp_path / "a")[0] == 0
+    work = (tmp_path / "a").resolve() / "work"
+    assert injected(tmp_path / "a" / "02_plot.ipynb")["output_dir"] == str(work / "02_plot")  # absolute
+    assert "output_dir" not in injected(tmp_path / "a" / "01_fail.ipynb")  # it has no such parameter
+    assert run(capsys, "--prepare-only", "-p", "output_dir", "mine", "--output-dir", tmp_path / "b")[0] == 0
+    assert injected(tmp_path / "b" / "02_plot.ipynb")["output_dir"] == "mine"
+
+
+@pytest.mark.parametrize("mistake", [("-p", "no_such_parameter", "1"), ("-p", "seeds", "0"), ("--only", "99"),
+                                     ("--profile", "nightly"), ("--nproc", "0"), ("--output-dir", "a-file")],
+                         ids=" ".join)
+def test_a_usage_mistake_prints_an_error_without_a_traceback_exits_2_and_writes_nothing(mistake, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    status, out, err = run(capsys, "--output-dir", tmp_path / "out", *(str(tmp_path / a) if a == "a-file" else a
+                                                                      for a in mistake))
+    assert status == 2 and "Traceback" not in out + err and not (tmp_path / "out").exists()
+    assert re.search(r"^python -m gcbs_lib.reproduce: error: \S", err, re.MULTILINE)
+    if mistake[0] == "--output-dir":
+        assert f"{tmp_path / 'a-file'} is a file" in err

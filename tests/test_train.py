@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import gcbs_lib.train
 from gcbs_lib.distributed import LaunchError, launch
 from gcbs_lib.experiments.codesearch import CodeSearch
 from gcbs_lib.train import TrainingDiverged, atomic_save, launched, load_checkpoint, load_config, main, train
@@ -44,6 +45,26 @@ def test_overrides_are_typed_by_the_config_field_they_set(data_root):
     assert isinstance(config.options, CodeSearch.Options) and config.options.eval_limit == 10
     assert config.options.prefix is None and config.options.data == "csn"
     assert config.profile == "ci" and config.options.encoder == "tiny"  # the ci profile's value kept
+
+
+@pytest.mark.parametrize("name, kind, momentum", [("adamw", torch.optim.AdamW, None), ("sgd", torch.optim.SGD, 0.9)])
+def test_the_optimizer_is_adamw_or_sgd_with_momentum_0_9(tmp_path, data_root, name, kind, momentum):
+    config = load_config("codesearch", "ci", settings(data_root, optimizer=name, weight_decay=5e-4, lr=0.06))
+    optimizer = gcbs_lib.train.Trainer(config, tmp_path / "run").optimizer
+    group = optimizer.param_groups[0]
+    assert (type(optimizer), group.get("momentum"), group["weight_decay"], group["lr"]) == (kind, momentum, 5e-4, 0.06)
+
+
+def test_the_paper_profiles_follow_the_original_recipes_and_ci_keeps_adamw():
+    moco = load_config("moco", "paper")  # the MoCo CIFAR-10 demo: τ = 0.1, SGD, lr 0.06 at batch 512, wd 5e-4
+    assert (moco.scale, moco.optimizer, moco.lr, moco.batch_size, moco.weight_decay) == (10.0, "sgd", 0.06, 512, 5e-4)
+    assert load_config("moco", "ci").optimizer == load_config("moco", "cpu").optimizer == "adamw"
+    milnce = load_config("milnce", "paper")  # official MIL-NCE: batch 256, warmup then cosine
+    assert (milnce.batch_size, milnce.schedule, milnce.warmup_steps > 0) == (256, "cosine", True)
+    advtest, csn = load_config("codesearch", "paper-advtest"), load_config("codesearch", "paper")
+    assert (advtest.options.data, advtest.epochs, csn.options.data, csn.epochs) == ("advtest", 2, "csn", 10)
+    assert {k: v for k, v in vars(advtest).items() if k not in ("epochs", "options", "profile")} == \
+        {k: v for k, v in vars(csn).items() if k not in ("epochs", "options", "profile")}
 
 
 @pytest.mark.parametrize("overrides, error, match", [
@@ -84,6 +105,27 @@ def test_command_line_errors_exit_2_with_one_message_and_no_traceback(tmp_path, 
     assert not any(tmp_path.iterdir())
 
 
+def refused(capsys, arguments) -> str:
+    """What `main(arguments)` printed to stderr, having exited with status 2 and no traceback."""
+    with pytest.raises(SystemExit) as exit:
+        main(arguments)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err
+    return err
+
+
+def test_an_output_directory_that_is_a_file_or_an_empty_training_set_is_named_in_the_error(tmp_path, capsys,
+                                                                                            data_root):
+    (tmp_path / "a-file").write_text("")
+    err = refused(capsys, command(tmp_path / "a-file", data_root))
+    assert f"error: output directory {tmp_path / 'a-file'} is a file" in err
+    empty = tmp_path / "empty" / "codesearch" / "CSN" / "python"
+    empty.mkdir(parents=True)
+    (empty / "train.jsonl").write_text("")
+    err = refused(capsys, command(tmp_path / "run", tmp_path / "empty"))
+    assert f"error: {empty / 'train.jsonl'} holds no training pairs" in err and not (tmp_path / "run").exists()
+
+
 # ---- checkpoints -------------------------------------------------------------------------------------------
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
@@ -119,6 +161,7 @@ def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterr
     assert 12 < interrupted["step"] < 24, "the kill must land in the second epoch, before the run ended"
     result = cli(*command(killed, data_root, **options))
     assert result.returncode == 0, result.stderr[-2000:]
+    assert f"resuming {killed / 'checkpoint.pt'} at step {interrupted['step']} of 24\n" in result.stdout
     a, b = load_checkpoint(whole / "checkpoint.pt"), load_checkpoint(killed / "checkpoint.pt")
     assert a["step"] == b["step"] == 24 and a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -127,12 +170,16 @@ def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterr
     assert json.loads((killed / "results.json").read_text()) == json.loads((whole / "results.json").read_text())
 
 
-def test_a_rerun_of_a_finished_run_returns_its_summary_and_logs_nothing_more(tmp_path, data_root):
+def test_a_rerun_of_a_finished_run_says_it_reuses_it_returns_its_summary_and_logs_nothing_more(tmp_path, data_root,
+                                                                                                 capsys):
     config = load_config("codesearch", "ci", settings(data_root, max_steps=4, warmup_steps=2, log_loss_gap="false"))
     first = train(config, tmp_path)
     assert [r["lr"] for r in records(tmp_path)] == pytest.approx([0, 5e-4, 1e-3, 5e-4])  # warmup, then linear decay
-    log = (tmp_path / "metrics.jsonl").read_text()
+    log, made = (tmp_path / "metrics.jsonl").read_text(), load_checkpoint(tmp_path / "checkpoint.pt")["code"]
+    capsys.readouterr()
     assert train(config, tmp_path) == first and (tmp_path / "metrics.jsonl").read_text() == log
+    assert capsys.readouterr().out == (f"reusing {tmp_path}: finished at step 4, made {made['date']}, "
+                                       f"commit {made['commit']}\n")
     assert first["rows"] == json.loads((tmp_path / "results.json").read_text()) and first["steps"] == 4
     assert set(first) >= {"output_dir", "experiment", "arm", "seed", "steps", "steps_per_epoch", "best_step", "rows",
                           "test", "epochs", "dev", "train_seconds"}
@@ -141,6 +188,22 @@ def test_a_rerun_of_a_finished_run_returns_its_summary_and_logs_nothing_more(tmp
                                                      lr=2e-3, progress=True))
     with pytest.raises(ValueError, match=r"written with other settings \(lr\)"):
         train(other, tmp_path)  # progress may change on resume; lr may not
+
+
+def test_a_run_made_by_other_code_is_redone_from_scratch_to_the_result_of_a_fresh_run(tmp_path, data_root, capsys,
+                                                                                      monkeypatch):
+    config = load_config("codesearch", "ci", settings(data_root, max_steps=4, log_loss_gap="false"))
+    first, made = train(config, tmp_path), load_checkpoint(tmp_path / "checkpoint.pt")["code"]
+    assert set(made) == {"sha256", "commit", "date"} and len(made["sha256"]) == 64
+    changed = {**made, "sha256": "0" * 64, "commit": "changed"}
+    monkeypatch.setattr(gcbs_lib.train, "code_fingerprint", lambda: changed)
+    capsys.readouterr()
+    again = train(config, tmp_path)
+    assert capsys.readouterr().out == (f"redoing {tmp_path}: its checkpoint was made by other code (commit "
+                                       f"{made['commit']}, {made['date']})\n")
+    assert again["rows"] == first["rows"] and again["dev"] == first["dev"]  # retrained: the fresh run's results
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4]
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["code"] == changed
 
 
 # ---- failure -----------------------------------------------------------------------------------------------

@@ -15,9 +15,12 @@ from typing import Callable
 REPOSITORY = Path(__file__).resolve().parents[2]
 
 
-def data_root() -> Path:
-    """The data folder: env `GCBS_DATA_ROOT` if set, else `<repo>/data` (git-ignored)."""
-    return Path(os.environ.get("GCBS_DATA_ROOT") or REPOSITORY / "data").expanduser()
+def data_root(chosen: str | None = None, option: str = "data_root", *, built_here: bool = False) -> Path:
+    """The data folder: `chosen` (must exist, or its parent if `built_here`), else $GCBS_DATA_ROOT, else <repo>/data."""
+    if chosen and not (Path(chosen).expanduser().parent if built_here else Path(chosen).expanduser()).is_dir():
+        raise ValueError(f"{option} {chosen}{': its parent folder' if built_here else ''} does not exist: create it, "
+                         f"or leave {option} unset for {data_root()}")  # a typo would put data at a stray place
+    return Path(chosen or os.environ.get("GCBS_DATA_ROOT") or REPOSITORY / "data").expanduser()
 
 
 def run_data_script(script: str, *args) -> None:

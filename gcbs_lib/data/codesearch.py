@@ -67,24 +67,24 @@ def _joined(tokens: list | str) -> str:
 
 
 class RetrievalTask(NamedTuple):
-    """Queries, the pool's code texts, and the pool row of each query's match (`positive`, LongTensor [Q])."""
+    """Queries, the pool's code texts, the pool row of each query's match (`positive`, LongTensor [Q], −1: none),
+    and the counts of queries with no match (`missing`) and of repeated pool keys (`repeated`)."""
     queries: list[str]
     codes: list[str]
     positive: torch.Tensor
+    missing: int
+    repeated: int
 
 
 def retrieval_task(query_file: str | Path, pool_file: str | Path | None = None) -> RetrievalTask:
-    """Pair each query of `query_file` with the row of `pool_file` (None: the query file itself) holding its
-    key. A key missing from the pool, or present twice in it, is an error."""
+    """Pair each query of `query_file` with the row of `pool_file` (None: the query file itself) holding its key.
+    As UniXcoder's script scores them: a repeated pool key keeps its first row, a query with no match gets −1."""
     queries = load(query_file)
     pool = queries if pool_file is None else load(pool_file)
-    row_of = {example["key"]: row for row, example in enumerate(pool)}
-    if len(row_of) < len(pool):
-        twice = next(key for i, key in enumerate(e["key"] for e in pool) if row_of[key] != i)
-        raise ValueError(f"key {twice!r} appears twice in the pool {pool_file or query_file}")
-    missing = [e["key"] for e in queries if e["key"] not in row_of]
-    if missing or not queries:
-        raise ValueError(f"{len(missing)} of {len(queries)} queries in {query_file} have no match in the pool "
-                         f"{pool_file or query_file}, e.g. keys {missing[:3]}")
-    positive = torch.tensor([row_of[e["key"]] for e in queries], dtype=torch.long)
-    return RetrievalTask([e["query"] for e in queries], [e["code"] for e in pool], positive)
+    first = {}
+    for row, example in enumerate(pool):
+        first.setdefault(example["key"], row)
+    index = {key: i for i, key in enumerate(first)}
+    positive = torch.tensor([index.get(e["key"], -1) for e in queries], dtype=torch.long)
+    return RetrievalTask([e["query"] for e in queries], [pool[r]["code"] for r in first.values()], positive,
+                         int((positive < 0).sum()), len(pool) - len(first))

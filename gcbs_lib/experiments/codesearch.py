@@ -1,13 +1,11 @@
 """Code search as UniXcoder fine-tunes it (GCBS paper, Table 1): one encoder embeds queries and code, mean
 pooling, L2 norm, scale 20, each query's cross-entropy over the batch's code; MRR over the whole pool, 0 beyond
-rank 1000. Data (FILES): the real datasets in UniXcoder's layout, or the stdlib stand-ins built on first use by
-`data_scripts/build_codesearch_standin.py`. Pairs sharing a query or a code (false negatives of one another)
-form a duplicate group, kept out of one batch."""
+rank 1000. Data (FILES): UniXcoder's layouts, real or the stdlib stand-ins (`data_scripts/build_codesearch_standin.py`,
+built on first use). Pairs sharing a query or a code (false negatives) form a duplicate group, kept out of a batch."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,18 +56,23 @@ class CodeSearch(Experiment):
     supports_mining = True
 
     def load_data(self) -> TrainSet:
-        """The training pairs, and each split's queries and pool (read now: a bad pool fails before training)."""
+        """The training pairs, and each split's queries and pool (read now: pool problems show before training)."""
         o = self.options
         if o.data not in FILES:
             raise ValueError(f"data must be one of {sorted(FILES)}, got {o.data!r}")
-        root = Path(o.data_root or data_root())
+        root = data_root(o.data_root)
         if o.data.startswith("stdlib-"):
             run_data_script("build_codesearch_standin.py", "--root", root, "--variant", o.data.removeprefix("stdlib-"))
         name, train, splits = FILES[o.data]
         folder = root / "codesearch" / name.format(language=o.language)
-        pairs = load(folder / train)  # real data missing: fetch it with data_scripts/download_codesearch.py
-        self.tasks = {split: retrieval_task(folder / q, p and folder / p) for split, (q, p) in splits.items()}
-        for split, task in self.tasks.items():
+        if not (pairs := load(folder / train)):  # real data missing: fetch it with data_scripts/download_codesearch.py
+            raise ValueError(f"{folder / train} holds no training pairs")
+        self.tasks = {}
+        for split, (q, p) in splits.items():  # as UniXcoder's script: a query with no match scores 0 (positive -1)
+            task = retrieval_task(folder / q, folder / p if p else None)
+            if task.missing or task.repeated:
+                print(f"{split}: {task.missing} queries with no pool key (scored 0), {task.repeated} repeated keys "
+                      f"(first kept)")
             keep = fixed_subset(len(task.queries), o.eval_limit, f"{split}-subset")
             self.tasks[split] = task._replace(queries=[task.queries[i] for i in keep], positive=task.positive[keep])
         self.train = [pairs[i] for i in fixed_subset(len(pairs), o.train_limit, "train-subset")]
@@ -108,7 +111,7 @@ class CodeSearch(Experiment):
         queries, pool = (torch.cat([model(to_device(self.tokens(texts[i:i + size], side), self.device)).float().cpu()
                                     for i in range(0, len(texts), size)])
                          for texts, side in ((task.queries, "query"), (task.codes, "code")))
-        ranks = retrieval_ranks(queries, pool, task.positive)
+        ranks = retrieval_ranks(queries, pool, task.positive.clamp(0)).masked_fill(task.positive < 0, 1001 + len(pool))
         return {"mrr": mrr(ranks, cutoff=1000), "recall@1": recall_at(ranks, 1), "recall@10": recall_at(ranks, 10)}
 
 

@@ -85,7 +85,8 @@ class MilNce(Experiment):
         each; then every rank memory-maps them."""
         o, (rank, world_size) = self.options, rank_and_world_size()
         planted = f"planted-v{o.planted_videos}-s{o.planted_sigma:g}-d{o.planted_dim}"
-        self.root = Path(o.data_dir or data_root() / "howto100m" / (planted if o.source == "planted" else o.source))
+        self.root = (data_root(o.data_dir, "data_dir", built_here=o.source != "howto100m") if o.data_dir else
+                     data_root() / "howto100m" / (planted if o.source == "planted" else o.source))
         names = {"planted": f"planted-sigma{o.planted_sigma:g}", "python-doc": "python3.11-doc", "howto100m": "paper"}
         self.data_name, self.model_name = names[o.source], f"linear-video+maxpool-words-d{o.embed_dim}"
         folder = self.root / f"bags-k{o.bag_size}"

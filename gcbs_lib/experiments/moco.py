@@ -1,12 +1,12 @@
 """MoCo v2 (He et al., 2020; Chen et al., 2020) on images, as the GCBS repository trains it on CIFAR-10.
 
-The query view of an image goes through the trained encoder f_q (a small ResNet, an MLP head), the key view through
-the momentum encoder f_k (no gradients; θ_k ← m·θ_k + (1 − m)·θ_q after every step). The negatives are a queue of
-the K latest keys (a model buffer: checkpoints hold it), enqueued after the loss,
-ℓ_i = −log( e^{q_i·k_i/τ} / (e^{q_i·k_i/τ} + Σ_{j=1}^{K} e^{q_i·queue_j/τ}) ), τ = 0.2. Views (crops and flips;
-MoCo v2's colour jitter is left out) are a random layer of each branch, seeded by the trainer like dropout. As in
-the MoCo CIFAR-10 demo, split BatchNorm and a shuffled key batch keep query i and key i from sharing batch
-statistics (so no GradCache chunks). GCBS orders images by f_k of two fixed views per image.
+The query view of an image goes through the trained encoder f_q (a small ResNet, an MLP head), the key view
+through the momentum encoder f_k (no gradients; θ_k ← m·θ_k + (1 − m)·θ_q after every step). The negatives are
+a queue of the K latest keys (a model buffer: checkpoints hold it), enqueued after the loss,
+ℓ_i = −log( e^{q_i·k_i/τ} / (e^{q_i·k_i/τ} + Σ_{j=1}^{K} e^{q_i·queue_j/τ}) ), τ = 0.2 (paper profile: 0.1).
+Views (crops and flips; MoCo v2's colour jitter is left out) are a random layer of each branch, seeded by the
+trainer like dropout. As in the MoCo CIFAR-10 demo, split BatchNorm and a shuffled key batch keep query i and
+key i from sharing batch statistics (so no GradCache chunks). GCBS orders images by f_k of two fixed views.
 """
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ class MoCo(Experiment):
     model_name = property(lambda self: "moco-v2-resnet-w{0.width}-{0.stages}x{0.blocks}".format(self.options))
 
     def load_data(self) -> TrainSet:
-        o, root = self.options, self.options.data_root or data_root()
+        o, root = self.options, data_root(self.options.data_root)
         if not 0 <= o.momentum < 1 or o.dev_size < 0:
             raise ValueError(f"need momentum in [0, 1) and dev_size >= 0, got {o.momentum} and {o.dev_size}")
         images, labels = load(o.data, "train", root)

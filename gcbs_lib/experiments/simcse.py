@@ -44,7 +44,7 @@ class SimCSE(Experiment):
     dev_metric = "spearman"
     data_name = property(lambda self: "paper" if self.options.data == "paper" else STANDIN_NAME)
     model_name = property(lambda self: MODEL_NAMES.get(self.options.encoder, self.options.encoder))
-    root = property(lambda self: Path(self.options.data_root) if self.options.data_root else data_root())
+    root = property(lambda self: data_root(self.options.data_root))
 
     def load_data(self) -> TrainSet:
         o = self.options
