@@ -14,7 +14,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import papermill
 import yaml
 
 from gcbs_lib.results import (REPOSITORY, RESULTS_DIR_VARIABLE, build_table, read_rows, to_markdown, write_csv,
-                              write_text_atomic)
+                              current_commit, write_text_atomic)
 
 NOTEBOOKS = REPOSITORY / "notebooks"
 
@@ -132,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for stale in ("figures", "results"):  # a folder used before: its earlier run's figures and rows go
         shutil.rmtree(out / stale, ignore_errors=True)
     (out / "figures").mkdir(parents=True)
-    git = subprocess.run(["git", "-C", str(REPOSITORY), "describe", "--always", "--abbrev=7", "--exclude=*",
-                          "--dirty=+dirty"], capture_output=True, text=True)  # the commit, +dirty if changed
     run = {"command": "python -m gcbs_lib.reproduce " + shlex.join(sys.argv[1:] if argv is None else argv),
-           "commit": git.stdout.strip() or "unknown", "profile": args.profile, "cores": os.cpu_count(),
+           "commit": current_commit(), "profile": args.profile, "cores": os.cpu_count(),
            "load_average": round(os.getloadavg()[0], 1),  # other work on the machine slows what notebooks time
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "notebooks": {}}
     with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):

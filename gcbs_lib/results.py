@@ -7,6 +7,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 from collections import namedtuple
 from pathlib import Path
 
@@ -78,6 +79,15 @@ PAPER_DELTAS = (
 # One (experiment, arm, metric): mean ± sd over `seeds`, Δ ± sd of the differences to random paired by seed.
 TableLine = namedtuple("TableLine", "experiment arm metric model data profile seeds mean sd delta delta_sd paper "
                                     "commit")
+
+
+def current_commit() -> str:
+    """This checkout's commit (7 hex digits), with `+dirty` when its files differ from it; "unknown" outside git."""
+    git = ["git", "-C", str(REPOSITORY), "describe", "--always", "--abbrev=7", "--exclude=*", "--dirty=+dirty"]
+    try:
+        return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:  # no git here
+        return "unknown"
 
 
 def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:

@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import os
-import subprocess
 import time
 from datetime import timedelta
 from dataclasses import asdict, dataclass
@@ -121,10 +120,7 @@ def code_fingerprint() -> dict:
     digest = hashlib.sha256()
     for path in sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")]):
         digest.update(path.read_bytes())
-    commit, git = "unknown", ["git", "-C", str(CONFIG_DIR), "describe", "--always", "--dirty=+dirty"]
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        commit = subprocess.run(git, capture_output=True, text=True, check=True).stdout.strip()
-    return {"sha256": digest.hexdigest(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {"sha256": digest.hexdigest(), "commit": results.current_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def load_checkpoint(path: str | Path) -> dict:
