@@ -7,15 +7,13 @@ import torch
 
 # Norm-wise relative tolerances: ~1000s of float64 roundoffs, ~100 of float32, ~1 of bfloat16's and float16's.
 TOLERANCES = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 5e-4}
+Comparison = namedtuple("Comparison", "name exact rel_err tolerance within_tolerance")  # one row of a cmp table
 
 
 def require(condition, message: str) -> None:
     """Raise ValueError(message) unless `condition`: how public functions refuse bad input."""
     if not condition:
         raise ValueError(message)
-
-
-Comparison = namedtuple("Comparison", "name exact rel_err tolerance within_tolerance")  # one row of a cmp table
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
@@ -33,8 +31,7 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def compare(name: str, ours: torch.Tensor, reference: torch.Tensor, rtol: float | None = None) -> Comparison:
     """Bitwise equality and the relative error against `rtol` (default: the tolerance of the reference's dtype)."""
-    rtol = tolerance(reference.dtype) if rtol is None else rtol
-    error = relative_error(ours, reference)
+    rtol, error = (tolerance(reference.dtype) if rtol is None else rtol), relative_error(ours, reference)
     return Comparison(name, bool(torch.equal(ours, reference)), error, rtol, error <= rtol)
 
 

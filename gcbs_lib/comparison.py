@@ -1,11 +1,14 @@
-"""Samplers compared on the same seeds (random vs GCBS batches): train each (arm, seed), tabulate, plot."""
+"""Samplers compared on the same seeds (random vs GCBS batches): score the start, train each (arm, seed),
+tabulate with a verdict, plot."""
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+import scipy.stats
+
 from gcbs_lib.distributed import launch
-from gcbs_lib.results import build_table, number, to_markdown
-from gcbs_lib.train import load_config, train
+from gcbs_lib.results import build_table, to_markdown
+from gcbs_lib.train import Trainer, load_config, train
 
 
 def arm_configs(experiment, profile, arms, seeds, overrides=None) -> dict:
@@ -16,10 +19,17 @@ def arm_configs(experiment, profile, arms, seeds, overrides=None) -> dict:
 
 def run_arms(experiment, profile, arms, seeds, folder, overrides=None, *, nproc=1, backend="gloo") -> dict:
     """`{(arm, seed): summary}` of `train` for each of `arm_configs`: in this process, or on `nproc` ranks of
-    `backend` through torchrun (rank 0's summary comes back). Prints one line per run."""
+    `backend` through torchrun (rank 0's summary comes back); and `("start", seed)`: the untrained model's test
+    rows (what training is measured against). Prints one line per run."""
     summaries = {}
     for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
         output_dir = Path(folder) / f"{arm}-seed{seed}"
+        if ("start", seed) not in summaries:
+            start = Trainer(load_config(experiment, profile, {**(overrides or {}), "seed": seed, "arm": "start"}),
+                            output_dir)
+            summaries["start", seed] = {"rows": start.score("test")}
+            print(f"start seed {seed}: untrained, test " + ", ".join(
+                f"{r['metric'][5:]} {r['value']:.4f}" for r in summaries["start", seed]["rows"]))
         summaries[arm, seed] = summary = train(config, output_dir) if nproc == 1 else launch(
             "gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False,
             args={"config": asdict(config), "output_dir": str(output_dir)})
@@ -28,33 +38,69 @@ def run_arms(experiment, profile, arms, seeds, folder, overrides=None, *, nproc=
     return summaries
 
 
+def pilot_plan(sd_paired_delta: float, seconds_per_seed: float, budget_minutes: float = 90) -> dict[int, float]:
+    """From a pilot's sd of the paired Δ and its time per seed (all arms): the 95 % half-width t·sd/√n of Δ for
+    n = 2 … 12 seeds, printed with the time of each; returns {n: half-width}."""
+    half = {n: float(scipy.stats.t.ppf(0.975, n - 1)) * sd_paired_delta / n ** 0.5 for n in range(2, 13)}
+    for n, h in half.items():
+        minutes = n * seconds_per_seed / 60
+        print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{'' if minutes <= budget_minutes else ' (over budget)'}")
+    return half
+
+
 def rows_of(summaries: dict) -> list[dict]:
     """Every run's result rows, run after run."""
     return [row for summary in summaries.values() for row in summary["rows"]]
 
 
-def arms_table(summaries, metric, paper_delta, paper, stand_in="not the paper's data", paper_arm="gcbs") -> dict:
-    """Print the table of the runs' test rows (Δ against random paired by seed) and the paper's Δ of `metric`
-    for `paper_arm` (None: none reported); return the table lines with a Δ, keyed "arm/metric"."""
+class MarkdownTable(str):
+    """Markdown text that Jupyter renders as a table and a console prints as it is."""
+    _repr_markdown_ = __repr__ = str.__str__
+
+
+def arms_table(summaries, stand_in="not the paper's data") -> dict:
+    """Show the table of the runs' test rows (start, random, each arm, Δ against random paired by seed with its
+    95 % interval, the paper's Δ, the verdict); return its lines with a Δ, keyed "arm/metric"."""
+    from IPython.display import display
+
     rows = rows_of(summaries)
     if rows[0]["data"] != "paper":
-        print(f"data: {rows[0]['data']}, a stand-in, {stand_in}: compare its Δ with the paper's, never its scores\n")
+        print(f"data: {rows[0]['data']}, a stand-in, {stand_in}: compare its Δ with the paper's, never its scores")
+    if rows[0]["profile"] == "ci":
+        print("ci profile, a smoke test: these numbers mean nothing about GCBS")
     lines = [line for line in build_table(rows) if line.metric.startswith("test_")]
-    print(to_markdown(lines) + f"\npaper Δ {paper_arm}/{metric}: " +
-          ("none reported" if paper_delta is None else number(paper_delta, signed=True)) + f" ({paper})")
+    display(MarkdownTable(to_markdown(lines)))
     return {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
 
 
 def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[str, list[float]]:
-    """Plot each arm's `key` of its `records` averaged over seeds ("dev" by step, "epochs" by epoch); the curves."""
+    """Plot each arm's `key` of its `records` ("dev" by step, "epochs" by epoch): the mean over seeds and a band
+    of ± 1 sd; return the means."""
     curves = {}
     for arm in arms:
         runs = [summary[records] for (a, _), summary in summaries.items() if a == arm]
-        curves[arm] = [statistics.fmean(r[key] for r in same_point) for same_point in zip(*runs)]
-        ax.plot([r["step"] for r in runs[0]] if records == "dev" else range(len(runs[0])), curves[arm], "o-", label=arm)
+        points = [[r[key] for r in same_point] for same_point in zip(*runs)]
+        curves[arm] = [statistics.fmean(p) for p in points]
+        sds = [statistics.stdev(p) if len(p) > 1 else 0.0 for p in points]
+        x = [r["step"] for r in runs[0]] if records == "dev" else range(len(runs[0]))
+        ax.plot(x, curves[arm], "o-", ms=3, label=arm)
+        ax.fill_between(x, [m - d for m, d in zip(curves[arm], sds)], [m + d for m, d in zip(curves[arm], sds)],
+                        alpha=0.2)
     ax.set(xlabel="step" if records == "dev" else "epoch")
     ax.legend()
     return curves
+
+
+def plot_deltas(ax, lines) -> None:
+    """Each line's Δ with its 95 % interval, beside the paper's Δ (×) and 0."""
+    for y, line in enumerate(lines):
+        low, high = (line.low, line.high) if line.low is not None else (line.delta, line.delta)
+        ax.errorbar(line.delta, y, xerr=[[line.delta - low], [high - line.delta]], fmt="o", color="k", capsize=4)
+        if line.paper and line.paper.deltas:
+            ax.plot(line.paper.deltas, [y] * len(line.paper.deltas), "x", color="C3", ms=9)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(lines)), [f"{line.arm}/{line.metric}" for line in lines])
+    ax.set(xlabel="Δ vs random, 95 % CI (× the paper's Δ)", ylim=(-0.7, len(lines) - 0.3))
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:

@@ -1,7 +1,5 @@
 """Six conventions of a data-parallel contrastive step (how each rank gathers the others' embeddings, which loss it
 takes, a factor W), and `ddp_steps`, their step on real ranks; notebook 02 derives and compares their gradients."""
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,7 +39,6 @@ class MilNceAllGather(torch.autograd.Function):
 @dataclass(frozen=True)
 class Convention:
     """A gather, the loss each rank takes (the global L over all W·B queries, or its share L_r), and a factor W."""
-
     label: str
     gather: Callable[[torch.Tensor], torch.Tensor]
     global_loss: bool
@@ -60,15 +57,13 @@ CONVENTIONS = {
     "no_grad": Convention("gather without grad, global loss", gather_without_grad, True, False),
     "no_grad_x_W": Convention("gather without grad, global loss x W", gather_without_grad, True, True),
     "milnce": Convention("MIL-NCE AllGather, global loss", MilNceAllGather.apply, True, False),
-    "no_grad_share": Convention("gather without grad, rank share L_r", gather_without_grad, False, False),
-}
+    "no_grad_share": Convention("gather without grad, rank share L_r", gather_without_grad, False, False)}
 LENGTH, VOCAB, DIM = 8, 50, 8  # tokens per text, vocabulary, embedding size
 
 
 @dataclass(frozen=True)
 class ScalingSetup:
     """One step: `per_rank` pairs on each rank, encoded `chunk_size` rows at a time, in float64 on `device`."""
-
     per_rank: int = 4
     chunk_size: int = 2
     dropout: float = 0.0
@@ -102,8 +97,7 @@ def flat_gradients(encoder, scale: LogitScale) -> dict[str, torch.Tensor]:
 
 def ddp_steps(runs: list[tuple[str, ScalingSetup]]) -> list[dict]:
     """A `launch` target: for each (convention, setup) of `runs`, one step on this rank (GradCache over a DDP encoder,
-    the logit scale averaged): the mean loss over ranks, the `flat_gradients`, the sizes of DDP's gradient
-    all-reduces and the largest gradient difference between ranks."""
+    the logit scale averaged): the mean loss over ranks, `flat_gradients`, DDP's all-reduce sizes, `rank_difference`."""
     (rank, world_size), results = rank_and_world_size(), []
     for convention, setup in runs:
         rule, (encoder, scale) = CONVENTIONS[convention], build_models(setup)
@@ -122,6 +116,6 @@ def ddp_steps(runs: list[tuple[str, ScalingSetup]]) -> list[dict]:
     return results
 
 
-def _count_allreduce(sizes: list[int], bucket):  # no annotation: DDP checks it, and future-annotations are strings
+def _count_allreduce(sizes: list[int], bucket):  # bucket and return left unannotated: DDP checks a hook's types
     sizes.append(bucket.buffer().numel())
     return allreduce_hook(None, bucket)

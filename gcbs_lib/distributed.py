@@ -2,8 +2,6 @@
 `gather_with_grad`'s backward hands each rank the sum over ranks of its rows' gradient, so with each rank's share of
 the loss (`losses.rank_info_nce`) DDP's average is the full-batch gradient. `VirtualRanks` writes the collectives
 out in one process; `launch` runs a function on local ranks."""
-from __future__ import annotations
-
 import gc
 import importlib
 import os
@@ -20,6 +18,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from gcbs_lib.check import require
 from gcbs_lib.gradcache import batch_length, slice_batch
 
 
@@ -86,8 +85,7 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
     _, world_size = rank_and_world_size()
     if world_size == 1:
         return 0.0
-    tensors = [t.detach().reshape(-1) for t in tensors if t.numel()]
-    layouts = [None] * world_size
+    tensors, layouts = [t.detach().reshape(-1) for t in tensors if t.numel()], [None] * world_size
     dist.all_gather_object(layouts, ([(t.numel(), str(t.dtype)) for t in tensors],
                                      any(bool(t.isnan().any()) for t in tensors)))
     if any(layout != layouts[0][0] for layout, _ in layouts):
@@ -96,9 +94,8 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
         return float("nan")
     largest = 0.0
     for tensor in tensors:
-        high, low = tensor.clone(), tensor.clone()
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high := tensor.clone(), op=dist.ReduceOp.MAX)
+        dist.all_reduce(low := tensor.clone(), op=dist.ReduceOp.MIN)
         largest = max(largest, float((high.double() - low.double()).nan_to_num(nan=0.0).max()))  # inf − inf: 0
     return largest
 
@@ -106,14 +103,12 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
 @dataclass(frozen=True)
 class VirtualRanks:
     """W ranks simulated in one process: each collective is tensor arithmetic over a list with one entry per rank."""
-
     world_size: int
 
     def shard(self, batch):
         """Rank r's rows r·B:(r+1)·B of a global batch (tensor or tokenizer-style dict), as a DistributedSampler."""
         n = batch_length(batch)
-        if n % self.world_size:
-            raise ValueError(f"a batch of {n} does not split into {self.world_size} equal shards")
+        require(not n % self.world_size, f"a batch of {n} does not split into {self.world_size} equal shards")
         b = n // self.world_size
         return [slice_batch(batch, r * b, (r + 1) * b) for r in range(self.world_size)]
 
@@ -152,17 +147,14 @@ def launch(target: str | Callable, *, nproc: int = 2, backend: str = "gloo", arg
     A rank that raises stops the job: LaunchError names it, with its traceback."""
     if isinstance(target, str):
         module, _, name = target.partition(":")
-        if not name:
-            raise ValueError(f"target must look like 'module:function', got {target!r}")
+        require(name, f"target must look like 'module:function', got {target!r}")
         target = getattr(importlib.import_module(module), name)
-    if target.__module__ == "__main__" or not target.__qualname__.isidentifier():
-        raise ValueError(f"child processes cannot import {target.__qualname__} (a notebook's, a script's or a local "
-                         f"function): move it into gcbs_lib")
+    require(target.__module__ != "__main__" and target.__qualname__.isidentifier(), f"child processes cannot import "
+            f"{target.__qualname__} (a notebook's, a script's or a local function): move it into gcbs_lib")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     with tempfile.TemporaryDirectory(prefix="gcbs-launch-") as logs:
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id="gcbs",
-                              rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                              log_line_prefix_template="[rank ${rank}] ",
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id="gcbs", rdzv_backend="c10d",
+                              rdzv_endpoint="localhost:0", max_restarts=0, log_line_prefix_template="[rank ${rank}] ",
                               logs_specs=DefaultLogsSpecs(logs, redirects=Std.ALL, tee=Std.ALL if echo else Std.NONE))
         try:
             return elastic_launch(config, _run_rank)(target, args or {}, backend, timeout)[0]

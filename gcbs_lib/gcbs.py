@@ -13,10 +13,7 @@ S is computed in row blocks on the embeddings' device and never held whole. The 
 quantile of the float32 similarities) and takes one pass over S: a row sample gives a lower bound, the pass
 keeps the entries at or above it (the candidate edges) and counts the rest, and the two order statistics that
 the quantile interpolates lie among the candidates. Should the bound miss, a second pass runs without one.
-`loss_gap` measures what an order achieves: the gap between the global InfoNCE loss and the in-batch one.
-"""
-from __future__ import annotations
-
+`loss_gap` measures what an order achieves: the gap between the global InfoNCE loss and the in-batch one."""
 import math
 from collections import deque
 from typing import Hashable, Sequence
@@ -27,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from scipy.sparse.csgraph import reverse_cuthill_mckee
 
+from gcbs_lib.check import require
 from gcbs_lib.seeding import generator, stream_seed
 
 BLOCK_ELEMENTS = 2**22  # similarities per block on the CPU: 16 MiB of float32
@@ -38,22 +36,18 @@ NO_BOUND = -2.0  # below every cosine similarity
 def _unit_rows(z1, z2, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked embeddings [N, d] (same shape and device, not empty, finite) with unit rows, in `dtype`."""
     for name, z in (("z1", z1), ("z2", z2)):
-        if not isinstance(z, torch.Tensor) or z.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D tensor [N, d], got {getattr(z, 'shape', type(z))}")
-    if z1.shape != z2.shape or z1.device != z2.device:
-        raise ValueError(f"z1 and z2 must have the same shape and device, got {tuple(z1.shape)} on {z1.device} "
-                         f"and {tuple(z2.shape)} on {z2.device}")
-    if z1.numel() == 0:
-        raise ValueError(f"empty embeddings: shape {tuple(z1.shape)}")
+        require(isinstance(z, torch.Tensor) and z.dim() == 2,
+                f"{name} must be a 2-D tensor [N, d], got {getattr(z, 'shape', type(z))}")
+    require(z1.shape == z2.shape and z1.device == z2.device, f"z1 and z2 must have the same shape and device, got "
+            f"{tuple(z1.shape)} on {z1.device} and {tuple(z2.shape)} on {z2.device}")
+    require(z1.numel(), f"empty embeddings: shape {tuple(z1.shape)}")
     u1, u2 = (F.normalize(z.detach().to(dtype), dim=1) for z in (z1, z2))
-    if not torch.isfinite(u1.sum() + u2.sum()):  # a NaN or inf entry leaves NaN in its normalised row
-        raise ValueError("the embeddings hold NaN or inf values")
+    require(torch.isfinite(u1.sum() + u2.sum()), "the embeddings hold NaN or inf values")  # NaN/inf → a NaN row
     return u1, u2
 
 
 def _check_batch_size(batch_size: int, n: int) -> None:
-    if not 1 <= batch_size <= n:
-        raise ValueError(f"batch_size must lie in [1, N = {n}] (N smaller than a batch?), got {batch_size}")
+    require(1 <= batch_size <= n, f"batch_size must lie in [1, N = {n}] (N smaller than a batch?), got {batch_size}")
 
 
 def _blocks(u1: torch.Tensor, u2: torch.Tensor):
@@ -84,9 +78,7 @@ def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
     sample = u1[rows] @ u2.T
     sample[torch.arange(r, device=u1.device), rows] = -math.inf
     k, sample = min(r * (n - 1), 2 * math.ceil(keep * r / n) + 64), sample.view(-1)
-    if sample.is_cuda:
-        return float(sample.topk(k).values[-1])
-    return float(np.partition(sample.numpy(), len(sample) - k)[len(sample) - k])
+    return float(sample.topk(k).values[-1] if sample.is_cuda else np.partition(sample.numpy(), -k)[-k])
 
 
 def _candidates(u1: torch.Tensor, u2: torch.Tensor, bound: float, keep: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,9 +153,8 @@ def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> 
             seen.add(keys[i])
         while len(batch) < batch_size:
             item = _trade(waiting, batches, seen, keys)
-            if item is None:
-                raise ValueError(f"batch {b} of {len(order) // batch_size} cannot be filled with {batch_size} "
-                                 f"distinct keys: too many items share a key for this batch size")
+            require(item is not None, f"batch {b} of {len(order) // batch_size} cannot be filled with {batch_size} "
+                    f"distinct keys: too many items share a key for this batch size")
             batch.append(item)
             seen.add(keys[item])
         queue.extendleft(reversed(waiting))
@@ -190,14 +181,11 @@ def gcbs_batches(z1, z2, batch_size: int, *, quantile: float = 0.999, seed: int 
 
     The GCBS order (relabelling from the stream (seed, epoch, "gcbs-relabel")) cut into consecutive batches,
     the last short one dropped, with no two equal `keys` (duplicate texts: false negatives) in one batch when
-    keys are given, and the batch order shuffled from (seed, epoch, "gcbs-batch-shuffle").
-    """
-    n = len(z1)
-    _check_batch_size(batch_size, n)
+    keys are given, and the batch order shuffled from (seed, epoch, "gcbs-batch-shuffle")."""
+    _check_batch_size(batch_size, len(z1))
     if keys is not None:
         keys = keys.tolist() if hasattr(keys, "tolist") else list(keys)
-        if len(keys) != n:
-            raise ValueError(f"{len(keys)} keys for {n} items")
+        require(len(keys) == len(z1), f"{len(keys)} keys for {len(z1)} items")
     order = gcbs_permutation(z1, z2, quantile, stream_seed(seed, epoch, "gcbs-relabel"))
     batches = torch.tensor(_cut(order.tolist(), batch_size, keys), dtype=torch.long)
     return batches[torch.randperm(len(batches), generator=generator(seed, epoch, "gcbs-batch-shuffle"))]
@@ -209,13 +197,10 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     With S = ẑ1ẑ2ᵀ and B(i) the batch of item i, the positive terms cancel:
         gap = (1/N) Σ_i [ log Σ_j e^{S_ij/τ} − log Σ_{j∈B(i)} e^{S_ij/τ} ]  ≥ 0.
     Float64, in row blocks. For planned batches [steps, B] of items: loss_gap(z1[items], z2[items],
-    torch.arange(len(items)), B, τ) with items = batches.flatten().
-    """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    torch.arange(len(items)), B, τ) with items = batches.flatten()."""
+    require(temperature > 0, f"temperature must be positive, got {temperature}")
     u1, u2 = _unit_rows(z1, z2, torch.float64)
-    n = len(u1)
-    _check_batch_size(batch_size, n)
+    _check_batch_size(batch_size, n := len(u1))
     order = torch.as_tensor(order, dtype=torch.long).to(u1.device)
     if order.shape != (n,) or not torch.equal(order.sort().values, torch.arange(n, device=u1.device)):
         raise ValueError(f"order must be a permutation of range({n})")

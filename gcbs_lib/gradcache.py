@@ -139,8 +139,7 @@ def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
             f"branch or one shared")
     chunks = []
     for branch, (encoder, batch) in enumerate(zip(encoders, batches)):
-        n = batch_length(batch)
-        require(n, f"branch {branch} is an empty batch")
+        require(n := batch_length(batch), f"branch {branch} is an empty batch")
         require(not any(t.requires_grad for t in _tensors(batch)), f"branch {branch}: the batch requires grad; "
                 f"GradCache replays the encoder on its inputs, so compute them inside the encoder (or detach them)")
         require(not isinstance(encoder, nn.Module) or not any(isinstance(m, nn.modules.batchnorm._BatchNorm)

@@ -21,8 +21,7 @@ class LogitScale(nn.Module):
 
     def __init__(self, init_scale: float = 1 / 0.07, max_scale: float = 100.0):
         super().__init__()
-        self.log_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
-        self.max_log_scale = math.log(max_scale)
+        self.log_scale, self.max_log_scale = nn.Parameter(torch.tensor(math.log(init_scale))), math.log(max_scale)
 
     def forward(self) -> torch.Tensor:
         return self.log_scale.exp()
@@ -53,9 +52,8 @@ def rank_info_nce(all_queries: torch.Tensor, all_docs: torch.Tensor, scale: Scal
     require(n and m and not m % n and not n % world_size, f"{m} documents for {n} queries on {world_size} ranks: "
             f"their count must be a multiple of the query count ([positive, hard negatives...] per query), and the "
             f"queries must split over the ranks")
-    group, b = m // n, n // world_size
+    group, b, s = m // n, n // world_size, scale() if callable(scale) else scale
     own = torch.arange(rank * b, (rank + 1) * b, device=all_queries.device)
-    s = scale() if callable(scale) else scale
     loss = F.cross_entropy(all_queries[own] @ all_docs.T * s, own * group)
     if symmetric:
         loss = (loss + F.cross_entropy(all_docs[own * group] @ all_queries.T * s, own)) / 2

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 import torch
@@ -15,9 +14,7 @@ CLEAR_REFS = "/proc/self/clear_refs"
 
 def memory_method(device: str) -> str:
     """How `memory_rise` measures on `device` here: "cuda", "vmhwm" or "sampled_rss"."""
-    if str(device).startswith("cuda"):
-        return "cuda"
-    return "vmhwm" if os.access(CLEAR_REFS, os.W_OK) else "sampled_rss"
+    return "cuda" if str(device).startswith("cuda") else "vmhwm" if os.access(CLEAR_REFS, os.W_OK) else "sampled_rss"
 
 
 def memory_rise(run, method: str) -> int:
@@ -42,9 +39,8 @@ def memory_rise(run, method: str) -> int:
 
     def watch() -> None:
         nonlocal peak
-        while not done.is_set():
+        while not done.wait(2e-4):
             peak = max(peak, process.memory_info().rss)
-            time.sleep(2e-4)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

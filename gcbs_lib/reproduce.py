@@ -5,7 +5,7 @@ defaults). `-p NAME VALUE` (a YAML literal, or the text for a string), `--nproc`
 selected notebook with that parameter, typed like its default; a name none has is refused before anything runs.
 A notebook's `output_dir` (where it trains) is DIR/work/<notebook> unless `-p output_dir` sets it.
 DIR gets the executed notebooks, `figures/` (PNGs named <notebook>_<name> by a cell tag `figure:<name>`, else
-<notebook>_in<execution count>), `results/` (the rows notebooks `record`), `results.md` and `results.csv`
+<notebook>_in<execution count>), `results/` (the rows notebooks `record`), and `results.md`
 (their table), and `run.json` (what ran, how, how long)."""
 import argparse
 import ast
@@ -23,7 +23,7 @@ import nbformat
 import papermill
 import yaml
 
-from gcbs_lib.results import (REPOSITORY, RESULTS_DIR_VARIABLE, build_table, read_rows, to_markdown, write_csv,
+from gcbs_lib.results import (REPOSITORY, RESULTS_DIR_VARIABLE, build_table, read_rows, to_markdown,
                               current_commit, write_text_atomic)
 
 NOTEBOOKS = REPOSITORY / "notebooks"
@@ -143,14 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                 break
     write_text_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
     lines = build_table([row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)], run["commit"])
-    write_csv(out / "results.csv", lines)
     tables = [f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
               for name in dict.fromkeys(line.experiment for line in lines)]  # one table per experiment
     smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n" if args.profile == "ci" else ""
     write_text_atomic(out / "results.md", f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n" + "\n".join(tables))
     failed = [f"FAILED {name}: {n['error']}\n    see {out / name}.ipynb" for name, n in run["notebooks"].items()
               if n["status"] == "failed"]
-    print("\n".join([f"results.md, results.csv and figures/ in {out}/", *failed]), file=sys.stderr if failed else None)
+    print("\n".join([f"results.md and figures/ in {out}/", *failed]), file=sys.stderr if failed else None)
     return 1 if failed else 0
 
 

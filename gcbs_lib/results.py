@@ -2,7 +2,6 @@
 `python -m gcbs_lib.results collect runs/<stamp>` copies a run's rows into results/ with their provenance, and
 `python -m gcbs_lib.results readme` regenerates the README's table of the committed cpu-profile rows."""
 import argparse
-import csv
 import json
 import math
 import os
@@ -10,6 +9,8 @@ import statistics
 import subprocess
 from collections import namedtuple
 from pathlib import Path
+
+import scipy.stats
 
 FIELDS = ("experiment", "arm", "seed", "metric", "value", "profile", "data", "model")
 RESULTS_DIR_VARIABLE = "GCBS_RESULTS_DIR"  # the runner sets it; `record` writes there
@@ -76,9 +77,39 @@ PAPER_DELTAS = (
     PaperDelta("moco", "gcbs", "test_knn_accuracy", (), "no MoCo number in the paper; its code trains one with GCBS"),
 )
 
-# One (experiment, arm, metric): mean ± sd over `seeds`, Δ ± sd of the differences to random paired by seed.
-TableLine = namedtuple("TableLine", "experiment arm metric model data profile seeds mean sd delta delta_sd paper "
-                                    "commit")
+Summary = namedtuple("Summary", "mean sd n")  # of one arm's values over seeds (sd None for one seed)
+# One (experiment, metric, arm): the untrained start, random, the arm; the paired Δ (arm − random) with its 95 %
+# t-interval [low, high] over seeds both ran, the paper's Δ (a PaperDelta or None) and the computed verdict.
+TableLine = namedtuple("TableLine", "experiment metric arm model data profile start random kit delta low high paper "
+                                    "verdict commit")
+
+
+def summarize(values: list[float]) -> Summary | None:
+    return Summary(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None,
+                   len(values)) if values else None
+
+
+def interval(differences: list[float]) -> tuple[float, float] | tuple[None, None]:
+    """The 95 % t-interval of the mean of paired `differences` (None, None below two)."""
+    if len(differences) < 2:
+        return None, None
+    half = float(scipy.stats.t.ppf(0.975, len(differences) - 1)) * statistics.stdev(differences) / len(differences) ** .5
+    return statistics.fmean(differences) - half, statistics.fmean(differences) + half
+
+
+def verdict(arm: str, metric: str, low: float | None, high: float | None, paper: PaperDelta | None) -> str:
+    """"GCBS better" (the interval above 0; below 0 for a rank), "GCBS worse", else "not resolved"; and where the
+    paper's Δ lies."""
+    if low is None:
+        return "not resolved (fewer than 2 paired seeds)"
+    gain = sorted((-high, -low) if metric.endswith("median_rank") else (low, high))  # a lower rank is better
+    name = {"gcbs": "GCBS"}.get(arm, arm)
+    said = f"{name} better" if gain[0] > 0 else f"{name} worse" if gain[1] < 0 else "not resolved"
+    inside = [d for d in (paper.deltas if paper else ()) if low <= d <= high]
+    if paper and paper.deltas:
+        said += ("; paper Δ inside the interval" if len(inside) == len(paper.deltas) else "; paper Δ outside it"
+                 if not inside else "; inside it: paper Δ " + " / ".join(f"{d:+.4f}" for d in inside))
+    return said
 
 
 def current_commit() -> str:
@@ -91,8 +122,9 @@ def current_commit() -> str:
 
 
 def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
-    """The table lines of `rows`, made at `commit`, never pooling rows of different experiment, model, data,
-    profile or metric; arms keep their first order, "random" first (Δ None: the baseline, or no shared seed)."""
+    """The table lines of `rows`, made at `commit`, one per arm other than the baselines "start" and "random"
+    (or one without an arm where there is none), never pooling rows of different experiment, model, data,
+    profile or metric."""
     groups = {}
     for row in map(check_row, rows):
         arms = groups.setdefault((row["experiment"], row["model"], row["data"], row["profile"], row["metric"]), {})
@@ -101,16 +133,16 @@ def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
         arms[row["arm"]][row["seed"]] = row["value"]
     lines = []
     for (experiment, model, data, profile, metric), arms in groups.items():
-        for arm, values in sorted(arms.items(), key=lambda item: item[0] != "random"):
-            baseline = arms.get("random", {}) if arm != "random" else {}
-            differences = [values[s] - baseline[s] for s in sorted(set(values) & set(baseline))]
-            paper = "".join((" / ".join(f"{d:+.4f}" for d in p.deltas) or "none reported") + f" ({p.source})"
-                            for p in PAPER_DELTAS if p.matches(experiment, arm, metric))
-            lines.append(TableLine(
-                experiment, arm, metric, model, data, profile, len(values), statistics.fmean(values.values()),
-                statistics.stdev(values.values()) if len(values) > 1 else None,
-                statistics.fmean(differences) if differences else None,
-                statistics.stdev(differences) if len(differences) > 1 else None, paper, commit))
+        random, start = arms.get("random", {}), arms.get("start", {})
+        for arm in [a for a in arms if a not in ("start", "random")] or [None]:
+            values = arms.get(arm, {})
+            differences = [values[s] - random[s] for s in sorted(set(values) & set(random))]
+            paper = next((p for p in PAPER_DELTAS if p.matches(experiment, arm, metric)), None)
+            low, high = interval(differences)
+            lines.append(TableLine(experiment, metric, arm, model, data, profile, summarize(list(start.values())),
+                                   summarize(list(random.values())), summarize(list(values.values())),
+                                   statistics.fmean(differences) if differences else None, low, high, paper,
+                                   verdict(arm, metric, low, high, paper) if differences else "", commit))
     return lines
 
 
@@ -123,25 +155,27 @@ def number(x: float, scale: float | None = None, *, digits: int = 4, signed: boo
 
 
 def to_markdown(lines: list[TableLine]) -> str:
-    """The table in GitHub markdown; sd, Δ and Δ's sd rounded to the decimals of the mean (see `number`)."""
-    def with_sd(value: float, sd: float | None, scale: float, signed: bool = False) -> str:
-        return number(value, scale, signed=signed) + ("" if sd is None else f" ± {number(sd, scale, digits=2)}")
+    """The table in GitHub markdown: start | random | arm (mean ± sd, n) | Δ [95 % CI] | paper Δ | verdict | …,
+    sds and Δs rounded to the decimals of their mean (see `number`)."""
+    def summary(s: Summary | None) -> str:
+        return "" if s is None else (number(s.mean) + ("" if s.sd is None else f" ± {number(s.sd, s.mean, digits=2)}")
+                                     + f" (n={s.n})")
 
-    out = ["| experiment | arm | metric | paper Δ | kit (mean ± sd, n seeds) | Δ vs random | data | model | profile "
-           "| commit |", "|---" * 10 + "|"]
+    out = ["| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ [95 % CI] | paper Δ | verdict "
+           "| data | model | profile | commit |", "|---" * 13 + "|"]
     for line in lines:
-        delta = "" if line.delta is None else with_sd(line.delta, line.delta_sd, line.mean, signed=True)
-        kit = f"{with_sd(line.mean, line.sd, line.mean)} (n={line.seeds})"
-        cells = (line.experiment, line.arm, line.metric, line.paper, kit, "baseline" if line.arm == "random" else delta,
-                 line.data, line.model, line.profile, line.commit)
+        scale = (line.random or line.kit or line.start).mean
+        delta = "" if line.delta is None else number(line.delta, scale, signed=True) + (
+            "" if line.low is None else f" [{number(line.low, scale, signed=True)}, {number(line.high, scale, signed=True)}]")
+        cells = (line.experiment, line.metric, summary(line.start), summary(line.random), line.arm, summary(line.kit),
+                 delta, paper_text(line.paper), line.verdict, line.data, line.model, line.profile, line.commit)
         out.append("| " + " | ".join((c or "—").replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"
 
 
-def write_csv(path: str | Path, lines: list[TableLine]) -> None:
-    """The table as CSV with raw numbers (empty where there is none)."""
-    with Path(path).open("w", newline="") as handle:
-        csv.writer(handle).writerows([TableLine._fields, *(["" if v is None else v for v in line] for line in lines)])
+def paper_text(paper: PaperDelta | None) -> str:
+    return "" if paper is None else (" / ".join(f"{d:+.4f}" for d in paper.deltas) or "none reported") + \
+        f" ({paper.source})"
 
 
 def _provenance(folder: Path) -> dict:
@@ -166,10 +200,10 @@ def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
 
 def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool = False) -> bool:
     """Rewrite the README's table (between its markers) of the committed `*.cpu.json` rows, each file's at the
-    commit that made it; with `check`, only compare. True if the README was current."""
+    commit that made it, without the dev metrics (model selection); with `check`, only compare. True if current."""
     provenance = _provenance(Path(folder))
-    table = to_markdown([line for f in sorted(Path(folder).glob("*.cpu.json"))
-                         for line in build_table(read_rows(f), provenance.get(f.name, {}).get("commit", ""))])
+    table = to_markdown([line for f in sorted(Path(folder).glob("*.cpu.json")) for line in build_table(
+        [r for r in read_rows(f) if not r["metric"].startswith("dev_")], provenance.get(f.name, {}).get("commit", ""))])
     text = Path(readme).read_text()
     if text.count(README_START) != 1 or text.count(README_END) != 1:
         raise ValueError(f"{readme} needs exactly one {README_START!r} and one {README_END!r} line")

@@ -183,6 +183,8 @@ class Trainer:
         config = self.config
         self.dir.mkdir(parents=True, exist_ok=True)
         self._resume()
+        if self.main and self.step == 0:  # the untrained model: the dev curve's first point
+            self._evaluate_dev()
         for _ in tqdm(range(self.step, self.total_steps), disable=not (config.progress and self.main)):
             if self.plan is None or self.position == self.steps_per_epoch:  # a new epoch
                 self.epoch, self.position = self.epoch + (self.plan is not None), 0
@@ -194,17 +196,21 @@ class Trainer:
             self._log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
             done = self.step == self.total_steps
             if self.main and (config.eval_every and self.step % config.eval_every == 0 or done
-                              or self.position == self.steps_per_epoch):  # rank 0 keeps the best dev model
-                scores = self._in_eval_mode(self.experiment.evaluate, "dev")
-                value, best = scores[self.experiment.dev_metric], self.best["value"]
-                if best is None or value > best:
-                    self.best = {"value": value, "step": self.step}
-                    atomic_save({"model": self.model.state_dict(), **self.best}, self.dir / "best.pt")
-                self._log({"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores})
+                              or self.position == self.steps_per_epoch):
+                self._evaluate_dev()
             if self.main and (self.step % config.checkpoint_every == 0 or done):
                 state = {k: getattr(self, k) for k in STATE} | {k: v.state_dict() for k, v in self.stateful.items()}
                 atomic_save({**state, "config": asdict(config), "code": self.code}, self.dir / "checkpoint.pt")
         return self._summary() if self.main else None
+
+    def _evaluate_dev(self) -> None:
+        """Score the model on dev and log it; rank 0 keeps the best so far as best.pt."""
+        scores = self._in_eval_mode(self.experiment.evaluate, "dev")
+        value, best = scores[self.experiment.dev_metric], self.best["value"]
+        if best is None or value > best:
+            self.best = {"value": value, "step": self.step}
+            atomic_save({"model": self.model.state_dict(), **self.best}, self.dir / "best.pt")
+        self._log({"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores})
 
     def _plan_epoch(self) -> dict:
         """Rank 0 plans the epoch's batches and logs their cost and loss gap; every rank receives the plan."""
@@ -311,15 +317,20 @@ class Trainer:
         if self.main:  # drop what the interrupted run logged after this checkpoint
             log.write_text("".join(log.read_text().splitlines(keepends=True)[: self.log_lines]))
 
+    def score(self, split: str) -> list[dict]:
+        """The model's scores on `split` as result rows (metric `<split>_<name>`; untrained: arm "start")."""
+        config, experiment = self.config, self.experiment
+        fields = dict(experiment=config.experiment, arm=config.arm or config.sampler, seed=config.seed,
+                      profile=config.profile, data=experiment.data_name, model=experiment.model_name)
+        return [results.result_row(metric=f"{split}_{metric}", value=value, **fields)
+                for metric, value in self._in_eval_mode(experiment.evaluate, split).items()]
+
     def _summary(self) -> dict:
         """Score best.pt on the test split into results.json (with its dev score); the run's summary."""
         config, experiment, best = self.config, self.experiment, load_checkpoint(self.dir / "best.pt")
         self.model.load_state_dict(best["model"])
-        metrics = {f"test_{k}": v for k, v in self._in_eval_mode(experiment.evaluate, "test").items()}
-        fields = dict(experiment=config.experiment, arm=config.arm or config.sampler, seed=config.seed,
-                      profile=config.profile, data=experiment.data_name, model=experiment.model_name)
-        metrics[f"dev_{experiment.dev_metric}"] = best["value"]
-        rows = [results.result_row(metric=metric, value=value, **fields) for metric, value in metrics.items()]
+        rows = self.score("test")
+        rows.append(results.result_row(**{**rows[0], "metric": f"dev_{experiment.dev_metric}", "value": best["value"]}))
         results.write_rows(self.dir / "results.json", rows)
         records = [json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines()]
         records = {kind: [r for r in records if r["kind"] == kind] for kind in ("step", "epoch", "eval")}

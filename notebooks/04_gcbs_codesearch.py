@@ -52,7 +52,6 @@ output_dir = "../runs/04_gcbs_codesearch"   # one folder per run; a finished run
 
 # %%
 import inspect
-import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -61,10 +60,10 @@ import torch.nn.functional as F
 
 from gcbs_lib import experiments
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import arm_configs, arms_table, plot_over_seeds, rows_of, run_arms
+from gcbs_lib.comparison import arm_configs, arms_table, plot_deltas, plot_over_seeds, rows_of, run_arms
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import gcbs_batches
-from gcbs_lib.results import PAPER_DELTAS, record
+from gcbs_lib.results import record
 from gcbs_lib.seeding import generator
 
 # %%
@@ -186,11 +185,8 @@ summaries = run_arms("codesearch", profile, arms, seeds, runs, settings, nproc=n
 # stand-in copies.
 
 # %%
-paper = next(p for p in PAPER_DELTAS if p.matches("codesearch", "gcbs", "test_mrr"))  # CosQA, AdvTest, CSN
-which = ("cosqa", "advtest", "csn").index(base.options.data.removeprefix("stdlib-"))
-delta = arms_table(summaries, "test_mrr", paper.deltas[which],
-                   f"{('CosQA', 'AdvTest', 'CodeSearchNet')[which]}, UniXcoder, GCBS − random",
-                   stand_in="docstring → function pairs of the Python standard library, not the paper's datasets")
+delta = arms_table(summaries, stand_in="docstring → function pairs of the Python standard library, not the "
+                                      "paper's datasets")
 
 # %% [markdown]
 # ## Dev MRR during training, and the loss gap each arm trains with
@@ -201,12 +197,14 @@ delta = arms_table(summaries, "test_mrr", paper.deltas[which],
 # them into a few batches, which can *raise* the gap of the others.
 
 # %% tags=["figure:dev-mrr-and-loss-gap"]
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+fig, (left, right, deltas) = plt.subplots(1, 3, figsize=(15, 3.8), width_ratios=(3, 3, 2))
 plot_over_seeds(left, summaries, arms, "dev", "mrr")
 gaps = plot_over_seeds(right, summaries, arms, "epochs", "loss_gap")
 left.set(ylabel="dev MRR (mean over seeds)", title=f"code search dev MRR ({profile} profile)")
 right.set(ylabel="L_Global − L_Train", title="loss gap of the batches trained on, per epoch")
 right.set_xticks(range(len(gaps[arms[0]])))
+plot_deltas(deltas, [delta[f"{arm}/test_mrr"] for arm in arms if arm != "random"])
+deltas.set_title("test MRR: Δ vs random")
 plt.tight_layout()
 plt.show()
 
@@ -227,11 +225,10 @@ plt.show()
 rows = rows_of(summaries)
 record(rows, "04_gcbs_codesearch")
 for arm in [a for a in arms if a != "random"]:
-    line = delta[f"{arm}/test_mrr"]  # Δ ± sd of the differences paired by seed; no sd with one seed
-    within = abs(line.delta) <= 2 * line.delta_sd / math.sqrt(line.seeds) if line.delta_sd is not None else None
-    print(f"{arm}: Δ test MRR = {100 * line.delta:+.2f} ± {100 * (line.delta_sd or 0.0):.2f} points over "
-          f"{line.seeds} seeds (paper, GCBS: +1.0 / +2.0 / +2.2); within 2 standard errors of 0: {within} "
-          f"[{experiment.data_name}, {experiment.model_name}, profile {profile}]")
+    line = delta[f"{arm}/test_mrr"]  # Δ paired by seed, its 95 % t-interval (none with one seed)
+    print(f"{arm}: Δ test MRR {line.delta:+.4f} over {line.kit.n} seeds, 95 % CI "
+          f"{'—' if line.low is None else f'[{line.low:+.4f}, {line.high:+.4f}]'} (paper, GCBS: +0.010 / +0.020 / "
+          f"+0.022): {line.verdict} [{experiment.data_name}, {experiment.model_name}, profile {profile}]")
 
 # %%
 assert all(check.within_tolerance for check in checks)

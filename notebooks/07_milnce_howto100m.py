@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 # %%
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import arms_table, rows_of, run_arms
+from gcbs_lib.comparison import arms_table, plot_deltas, plot_over_seeds, rows_of, run_arms
 from gcbs_lib.data import run_data_script
 from gcbs_lib.data.howto100m import FeatureStore, build_bags, caption_path, features_of, read_captions
 from gcbs_lib.distributed import launch
@@ -394,7 +394,16 @@ for (s, k, sd), metrics in sweep.items():
 # %%
 summaries = run_arms("milnce", profile, ["random", "gcbs"], seeds, work / "arms",
                      {**source_options, "epochs": epochs, "batch_size": batch_size, "device": device})
-comparison = arms_table(summaries, "test_r10", None, "the GCBS paper has no MIL-NCE experiment")
+comparison = arms_table(summaries)  # the GCBS paper has no MIL-NCE experiment: no paper Δ
+
+# %% tags=["figure:dev-r10-and-delta"]
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.5), width_ratios=(3, 2))
+plot_over_seeds(left, summaries, ["random", "gcbs"], "dev", "r10")
+left.set(ylabel="dev R@10 (mean ± 1 sd over seeds)", title=f"MIL-NCE dev R@10 ({profile} profile)")
+plot_deltas(right, [comparison["gcbs/test_r10"]])
+right.set_title("test R@10: GCBS − random")
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## 7 · Ties: why the official metrics code can count a query several times

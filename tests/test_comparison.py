@@ -4,7 +4,8 @@ helpers on hand-made run summaries."""
 import pytest
 import torch
 
-from gcbs_lib.comparison import arm_configs, arms_table, first_gap_no_larger, plot_over_seeds, rows_of, run_arms
+from gcbs_lib.comparison import (arm_configs, arms_table, first_gap_no_larger, plot_deltas, plot_over_seeds, rows_of,
+                                 run_arms)
 from gcbs_lib.distributed import LaunchError
 from gcbs_lib.train import load_checkpoint
 
@@ -37,7 +38,8 @@ def tiny(data_root, **overrides):
 def test_with_nproc_2_each_run_trains_on_two_gloo_ranks_the_model_of_one_process(tmp_path, data_root):
     one = run_arms("codesearch", "ci", ["gcbs"], [0], tmp_path / "one", tiny(data_root))
     two = run_arms("codesearch", "ci", ["gcbs"], [0], tmp_path / "two", tiny(data_root), nproc=2, backend="gloo")
-    assert list(two) == [("gcbs", 0)] and two["gcbs", 0]["steps"] == one["gcbs", 0]["steps"] == 2
+    assert list(two) == [("start", 0), ("gcbs", 0)] and two["gcbs", 0]["steps"] == one["gcbs", 0]["steps"] == 2
+    assert {row["arm"] for row in two["start", 0]["rows"]} == {"start"}  # the untrained model, scored on test
     a, b = (load_checkpoint(tmp_path / run / "gcbs-seed0" / "checkpoint.pt")["model"] for run in ("one", "two"))
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-9, atol=1e-11)
@@ -55,18 +57,13 @@ def test_rows_of_lists_every_runs_rows_run_after_run():
 
 
 def test_arms_table_pairs_each_arm_with_random_by_seed_and_names_the_stand_in(capsys):
-    lines = arms_table(SUMMARIES, "test_spearman", 0.0103, "STS avg", stand_in="NOT STS")
+    lines = arms_table(SUMMARIES, stand_in="NOT STS")
     assert list(lines) == ["gcbs/test_spearman"]
     gcbs = lines["gcbs/test_spearman"]  # paired differences +0.06 and +0.02
-    assert (gcbs.delta, gcbs.delta_sd, gcbs.seeds) == (pytest.approx(0.04), pytest.approx(0.02 * 2 ** 0.5), 2)
+    assert (gcbs.delta, gcbs.kit.n, gcbs.paper.deltas) == (pytest.approx(0.04), 2, (0.0103,))
     printed = capsys.readouterr().out
     assert "NOT STS" in printed and "gensim-testdata-not-sts" in printed
-    assert "| +0.04 ± 0.028 |" in printed and "paper Δ gcbs/test_spearman: +0.0103 (STS avg)" in printed
-
-
-def test_without_a_paper_number_the_table_says_none_reported(capsys):
-    arms_table(SUMMARIES, "test_spearman", None, "no number in the paper")
-    assert "paper Δ gcbs/test_spearman: none reported (no number in the paper)" in capsys.readouterr().out
+    assert "| +0.04 [-0.2141, +0.2941] | +0.0103 (STS avg" in printed and "| not resolved; paper Δ inside" in printed
 
 
 def test_plot_over_seeds_draws_the_seed_means_per_arm():
@@ -84,6 +81,11 @@ def test_plot_over_seeds_draws_the_seed_means_per_arm():
         assert [list(line.get_xdata()) for line in ax.get_lines()] == [[0, 1] if records == "epochs" else [4, 8]] * 2
         assert ax.get_xlabel() == ("epoch" if records == "epochs" else "step")
         plt.close(fig)
+    fig, ax = plt.subplots()
+    plot_deltas(ax, list(arms_table(SUMMARIES).values()))
+    point, paper = ax.lines[0].get_xydata().tolist(), list(ax.lines[-2].get_xdata())  # the last: 0
+    assert point == [[pytest.approx(0.04), 0]] and paper == [0.0103]
+    plt.close(fig)
 
 
 def test_first_gap_no_larger_holds_only_when_it_holds_on_every_seed():

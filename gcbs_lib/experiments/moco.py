@@ -6,10 +6,7 @@ a queue of the K latest keys (a model buffer: checkpoints hold it), enqueued aft
 ℓ_i = −log( e^{q_i·k_i/τ} / (e^{q_i·k_i/τ} + Σ_{j=1}^{K} e^{q_i·queue_j/τ}) ), τ = 0.2 (paper profile: 0.1).
 Views (crops and flips; MoCo v2's colour jitter is left out) are a random layer of each branch, seeded by the
 trainer like dropout. As in the MoCo CIFAR-10 demo, split BatchNorm and a shuffled key batch keep query i and
-key i from sharing batch statistics (so no GradCache chunks). GCBS orders images by f_k of two fixed views.
-"""
-from __future__ import annotations
-
+key i from sharing batch statistics (so no GradCache chunks). GCBS orders images by f_k of two fixed views."""
 import copy
 import math
 from collections.abc import Sequence
@@ -19,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gcbs_lib.check import require
 from gcbs_lib.data import data_root
 from gcbs_lib.data.images import DATA_NAMES, load
 from gcbs_lib.distributed import gather_with_grad
@@ -51,8 +49,7 @@ class RandomViews(nn.Module):
 
     def forward(self, images: torch.Tensor, views: torch.Tensor | None = None) -> torch.Tensor:
         x = (images.to(self.mean.dtype) / 255 - self.mean) / self.std
-        if views is None and self.training:
-            views = self.sample(len(x))
+        views = self.sample(len(x)) if views is None and self.training else views
         if views is None:
             return x
         grid = F.affine_grid(views.to(x), list(x.shape), align_corners=False)  # bilinear, reflected at the borders
@@ -65,16 +62,14 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
 
     def __init__(self, channels: int, splits: int):
         super().__init__(channels)
-        if splits < 1:
-            raise ValueError(f"bn_splits must be a positive integer, got {splits}")
+        require(splits >= 1, f"bn_splits must be a positive integer, got {splits}")
         self.splits = splits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.splits
         if not self.training or s == 1:
             return super().forward(x)
-        if len(x) % s:
-            raise ValueError(f"bn_splits={s} must divide the batch of each forward pass, got {len(x)} images")
+        require(not len(x) % s, f"bn_splits={s} must divide the batch of each forward pass, got {len(x)} images")
         mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)  # the groups side by side as channels
         y = F.batch_norm(x.reshape(len(x) // s, s * x.shape[1], *x.shape[2:]), mean, var, self.weight.repeat(s),
                          self.bias.repeat(s), True, self.momentum, self.eps)

@@ -23,6 +23,8 @@ from gcbs_lib.models import text_encoder
 from gcbs_lib.seeding import fixed_subset
 
 MODEL_NAMES = {"minilm": "all-MiniLM-L6-v2"}
+BUILT_MODELS = {"tiny-bert": "build_tiny_bert.py",  # a random BERT, for CI
+                "mlm-bert": "build_mlm_bert.py"}    # a small BERT pretrained as a masked LM on the stand-in text
 
 
 class SimCSE(Experiment):
@@ -34,7 +36,7 @@ class SimCSE(Experiment):
         data_root: str | None = None      # default: gcbs_lib.data.data_root()
         train_limit: int | None = None    # train on a fixed random subset of this many sentences
         eval_limit: int | None = None     # score at most this many pairs per evaluation task (fixed subset)
-        encoder: str = "tiny-bert"        # tiny-bert | minilm | a Hugging Face name or path (bert-base-uncased)
+        encoder: str = "tiny-bert"        # tiny-bert | mlm-bert | minilm | a Hugging Face name or path
         pooling: str = "cls_mlp_train"    # SimCSE's cls + MLP at training time only
         dropout: float | None = None      # None: the encoder's own (0.1 for BERT)
         max_length: int = 32              # training sentences
@@ -58,9 +60,9 @@ class SimCSE(Experiment):
 
     def build_model(self) -> nn.Module:
         o = self.options
-        name = self.root / "models" / "tiny-bert" if o.encoder == "tiny-bert" else o.encoder  # a random BERT, for CI
-        if o.encoder == "tiny-bert" and not (name / "manifest.json").is_file():
-            run_data_script("build_tiny_bert.py", "--root", self.root)
+        name = self.root / "models" / o.encoder if o.encoder in BUILT_MODELS else o.encoder
+        if o.encoder in BUILT_MODELS and not (name / "manifest.json").is_file():
+            run_data_script(BUILT_MODELS[o.encoder], "--root", self.root)
         self.encoder = text_encoder(str(name), pooling=o.pooling, max_length=max(o.max_length, o.eval_max_length),
                                     dropout=o.dropout)
         return self.encoder
