@@ -1,13 +1,11 @@
 """Samplers compared on the same seeds (random vs GCBS batches): score the start, train each (arm, seed),
 tabulate with a verdict, plot."""
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-import scipy.stats
-
 from gcbs_lib.distributed import launch
-from gcbs_lib.results import build_table, to_markdown
+from gcbs_lib.results import build_table, half_width, to_markdown
 from gcbs_lib.train import Trainer, load_config, train
 
 
@@ -25,8 +23,7 @@ def run_arms(experiment, profile, arms, seeds, folder, overrides=None, *, nproc=
     for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
         output_dir = Path(folder) / f"{arm}-seed{seed}"
         if ("start", seed) not in summaries:
-            start = Trainer(load_config(experiment, profile, {**(overrides or {}), "seed": seed, "arm": "start"}),
-                            output_dir)
+            start = Trainer(replace(config, sampler="random", arm="start"), output_dir)  # the untrained model
             summaries["start", seed] = {"rows": start.score("test")}
             print(f"start seed {seed}: untrained, test " + ", ".join(
                 f"{r['metric'][5:]} {r['value']:.4f}" for r in summaries["start", seed]["rows"]))
@@ -41,7 +38,7 @@ def run_arms(experiment, profile, arms, seeds, folder, overrides=None, *, nproc=
 def pilot_plan(sd_paired_delta: float, seconds_per_seed: float, budget_minutes: float = 90) -> dict[int, float]:
     """From a pilot's sd of the paired Δ and its time per seed (all arms): the 95 % half-width t·sd/√n of Δ for
     n = 2 … 12 seeds, printed with the time of each; returns {n: half-width}."""
-    half = {n: float(scipy.stats.t.ppf(0.975, n - 1)) * sd_paired_delta / n ** 0.5 for n in range(2, 13)}
+    half = {n: half_width(sd_paired_delta, n) for n in range(2, 13)}
     for n, h in half.items():
         minutes = n * seconds_per_seed / 60
         print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{'' if minutes <= budget_minutes else ' (over budget)'}")

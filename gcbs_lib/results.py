@@ -61,11 +61,8 @@ def record(rows: list[dict], name: str) -> Path | None:
     return write_rows(Path(folder) / f"{name}.json", rows) if folder else None
 
 
-class PaperDelta(namedtuple("PaperDelta", "experiment arm metric deltas source")):
-    """A headline Δ (arm − random) of the paper on the metric's 0–1 scale (+1.0 % MRR is +0.010)."""
-
-    def matches(self, experiment: str, arm: str, metric: str) -> bool:
-        return (experiment, arm, metric) == self[:3]
+# A headline Δ (arm − random) of the paper on the metric's 0–1 scale (+1.0 % MRR is +0.010).
+PaperDelta = namedtuple("PaperDelta", "experiment arm metric deltas source")
 
 
 # Sachidananda, Yang & Zhu, "Global Selection of Contrastive Batches via Optimization on Sample Permutations",
@@ -89,11 +86,16 @@ def summarize(values: list[float]) -> Summary | None:
                    len(values)) if values else None
 
 
+def half_width(sd: float, n: int) -> float:
+    """The half-width t(0.975, n − 1)·sd/√n of the 95 % t-interval of a mean of n values with sample sd `sd`."""
+    return float(scipy.stats.t.ppf(0.975, n - 1)) * sd / n ** 0.5
+
+
 def interval(differences: list[float]) -> tuple[float, float] | tuple[None, None]:
     """The 95 % t-interval of the mean of paired `differences` (None, None below two)."""
     if len(differences) < 2:
         return None, None
-    half = float(scipy.stats.t.ppf(0.975, len(differences) - 1)) * statistics.stdev(differences) / len(differences) ** .5
+    half = half_width(statistics.stdev(differences), len(differences))
     return statistics.fmean(differences) - half, statistics.fmean(differences) + half
 
 
@@ -110,6 +112,11 @@ def verdict(arm: str, metric: str, low: float | None, high: float | None, paper:
         said += ("; paper Δ inside the interval" if len(inside) == len(paper.deltas) else "; paper Δ outside it"
                  if not inside else "; inside it: paper Δ " + " / ".join(f"{d:+.4f}" for d in inside))
     return said
+
+
+def paper_delta(experiment: str, arm: str | None, metric: str) -> PaperDelta | None:
+    """The paper's headline Δ for this experiment, arm and metric, if it states one."""
+    return next((p for p in PAPER_DELTAS if p[:3] == (experiment, arm, metric)), None)
 
 
 def current_commit() -> str:
@@ -137,7 +144,7 @@ def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
         for arm in [a for a in arms if a not in ("start", "random")] or [None]:
             values = arms.get(arm, {})
             differences = [values[s] - random[s] for s in sorted(set(values) & set(random))]
-            paper = next((p for p in PAPER_DELTAS if p.matches(experiment, arm, metric)), None)
+            paper = paper_delta(experiment, arm, metric)
             low, high = interval(differences)
             lines.append(TableLine(experiment, metric, arm, model, data, profile, summarize(list(start.values())),
                                    summarize(list(random.values())), summarize(list(values.values())),

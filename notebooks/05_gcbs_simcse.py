@@ -56,10 +56,10 @@ from gcbs_lib.comparison import (arms_table, first_gap_no_larger, pilot_plan, pl
                                  run_arms)
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.experiments.simcse import SimCSE
-from gcbs_lib.results import PAPER_DELTAS, record
+from gcbs_lib.results import paper_delta, record
 from gcbs_lib.train import load_config
 
-PAPER = next(p for p in PAPER_DELTAS if p.matches("simcse", "gcbs", "test_spearman"))  # +1.03 STS points
+PAPER = paper_delta("simcse", "gcbs", "test_spearman")  # +1.03 STS points
 config = load_config("simcse", profile, {"device": device, "seed": seed})
 torch.manual_seed(seed)
 print(f"profile={profile}  device={device}  arms={arms}  seeds={seeds}  encoder={config.options.encoder}")

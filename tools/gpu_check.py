@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from gcbs_lib import experiments, gcbs, seeding
 from gcbs_lib.check import compare, relative_error, tolerance
@@ -32,6 +31,9 @@ from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.losses import info_nce
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 from gcbs_lib.train import load_checkpoint, load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from bench_gcbs import embedded_pairs, floor_pass  # noqa: E402  (bench/ is not a package: GCBS's data and floor)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ("dropout", "bf16", "gcbs", "resume", "minilm", "nccl")
@@ -81,14 +83,6 @@ def check_bf16(args) -> list:
              f"{relative_error(full, truth):.1e})", f"≤ {limit:g}")]
 
 
-def clustered_pairs(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """n pairs in n/50 clusters: anchors near a cluster centre, positives near their anchor."""
-    g = torch.Generator().manual_seed(3)
-    centres = torch.randn(max(1, n // 50), d, generator=g)
-    z1 = centres[torch.randint(len(centres), (n,), generator=g)] + 0.7 * torch.randn(n, d, generator=g)
-    return z1, z1 + 0.5 * torch.randn(n, d, generator=g)
-
-
 def timed(function, device: str) -> float:
     synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
     synchronize()
@@ -98,23 +92,15 @@ def timed(function, device: str) -> float:
     return time.perf_counter() - start
 
 
-def similarity_pass(u1: torch.Tensor, u2: torch.Tensor, rows: int) -> None:
-    """The matmul floor of GCBS: S = u1 u2ᵀ once, in the row blocks `gcbs_permutation` uses, each then dropped."""
-    for start in range(0, len(u1), rows):
-        u1[start:start + rows] @ u2.T
-
-
 def check_gcbs(args) -> list:
     n, device = 5_000 if args.quick else 100_000, args.device
-    z1, z2 = clustered_pairs(n, 256)
+    z1, z2 = embedded_pairs(n, 256, clustered=True)
     d1, d2 = z1.to(device), z2.to(device)
     gcbs.gcbs_permutation(d1[:2000], d2[:2000], seed=0)  # warm-up: kernels, handles
     on_device = []
     seconds = timed(lambda: on_device.append(gcbs.gcbs_permutation(d1, d2, seed=0)), device)
     on_cpu = gcbs.gcbs_permutation(z1, z2, seed=0)
-    u1, u2 = F.normalize(d1, dim=1), F.normalize(d2, dim=1)
-    rows = max(1, (gcbs.DEVICE_BLOCK_ELEMENTS if device == "cuda" else gcbs.BLOCK_ELEMENTS) // n)
-    floor = min(timed(lambda: similarity_pass(u1, u2, rows), device) for _ in range(2))
+    floor = min(timed(lambda: floor_pass(d1, d2), device) for _ in range(2))
     differ = (on_device[0] != on_cpu).double().mean().item()
     if differ == 0:
         equal = ("pass", "equal permutations")
