@@ -213,15 +213,17 @@ class Trainer:
         self._log({"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores})
 
     def _plan_epoch(self) -> dict:
-        """Rank 0 plans the epoch's batches and logs their cost and loss gap; every rank receives the plan."""
+        """Each rank embeds its share of the training set; rank 0 plans the epoch's batches on the device and logs
+        their cost and loss gap; every rank receives the plan."""
         config, b, plan, (n, keys) = self.config, self.config.batch_size, [None], self.train_set
+        start, negatives = time.perf_counter(), None
+        if config.sampler != "random" or config.log_loss_gap:  # one embedding of the training set serves both
+            share = torch.arange(n).tensor_split(self.world_size)[self.rank]
+            pairs = self._in_eval_mode(lambda model: [self.experiment.pair_embeddings(model, items) for items in
+                                                      share.split(config.embed_batch_size)])
+            z1, z2 = (distributed.gather_ragged(torch.cat([pair[i].float() for pair in pairs])) for i in (0, 1))
+        embedded = time.perf_counter()
         if self.main:
-            start, negatives = time.perf_counter(), None
-            if config.sampler != "random" or config.log_loss_gap:  # one embedding of the training set serves both
-                pairs = self._in_eval_mode(lambda model: [self.experiment.pair_embeddings(model, items) for items in
-                                                          torch.arange(n).split(config.embed_batch_size)])
-                z1, z2 = (torch.cat([pair[i].float() for pair in pairs]) for i in (0, 1))  # kept on the device
-            embedded = time.perf_counter()
             shuffle, mine = (seeding.generator(config.seed, self.epoch, purpose) for purpose in ("shuffle", "mining"))
             order = torch.randperm(n, generator=shuffle)
             batches = order[: self.steps_per_epoch * b].view(-1, b) if config.sampler != "gcbs" else gcbs.gcbs_batches(

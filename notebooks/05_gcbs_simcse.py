@@ -41,6 +41,7 @@ seed = 0                            # seed of the demonstration cells; the compa
 profile = "ci"                      # profile of gcbs_lib/configs/simcse.yaml behind every run
 seeds = [0, 1]
 arms = ["random", "gcbs"]           # samplers compared; "random" is the baseline
+overrides = {}                      # further config keys for every run, e.g. {"epochs": 3}
 output_dir = "../runs/05_gcbs_simcse"   # one folder per run; a finished run is loaded, not retrained
 
 # %%
@@ -60,7 +61,8 @@ from gcbs_lib.results import paper_delta, record
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("simcse", "gcbs", "test_spearman")  # +1.03 STS points
-config = load_config("simcse", profile, {"device": device, "seed": seed})
+settings = {**overrides, "device": device}
+config = load_config("simcse", profile, {**settings, "seed": seed})
 torch.manual_seed(seed)
 print(f"profile={profile}  device={device}  arms={arms}  seeds={seeds}  encoder={config.options.encoder}")
 
@@ -149,7 +151,7 @@ print(f"the paper's Δ: {PAPER.deltas[0]:+.4f}")
 # holding each other's hard negatives.
 
 # %%
-summaries = run_arms("simcse", profile, arms, seeds, Path(output_dir) / profile, {"device": device})
+summaries = run_arms("simcse", profile, arms, seeds, Path(output_dir) / profile, settings)
 
 # %% [markdown]
 # ## 5 · Scores, Δ and the verdict

@@ -34,6 +34,7 @@ seed = 0                            # seed of the demonstration cells; the compa
 profile = "ci"                      # profile of gcbs_lib/configs/promcse.yaml behind every run
 seeds = [0, 1]
 arms = ["random", "gcbs"]           # samplers compared; "random" is the baseline
+overrides = {}                      # further config keys for every run, e.g. {"epochs": 3}
 output_dir = "../runs/06_gcbs_promcse"  # one folder per run; a finished run is loaded, not retrained
 
 # %%
@@ -51,7 +52,8 @@ from gcbs_lib.prefix import PrefixPromptedEncoder
 from gcbs_lib.results import record
 from gcbs_lib.train import load_config
 
-config = load_config("promcse", profile, {"device": device, "seed": seed})
+settings = {**overrides, "device": device}
+config = load_config("promcse", profile, {**settings, "seed": seed})
 torch.manual_seed(seed)
 print(f"profile={profile}  device={device}  arms={arms}  seeds={seeds}  encoder={config.options.encoder}")
 
@@ -124,7 +126,7 @@ print(cmp_table(gradcache_checks))
 # start from the same model on each seed; a finished run is loaded, not retrained.
 
 # %%
-summaries = run_arms("promcse", profile, arms, seeds, Path(output_dir) / profile, {"device": device})
+summaries = run_arms("promcse", profile, arms, seeds, Path(output_dir) / profile, settings)
 deltas = arms_table(summaries, stand_in="NOT STS")
 rows = rows_of(summaries)
 record(rows, "06_gcbs_promcse")

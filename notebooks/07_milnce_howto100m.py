@@ -43,6 +43,7 @@ backend = "gloo"                   # "nccl" on GPUs
 source = "planted"                 # data of the DDP run and the comparison: planted | python-doc | howto100m
 data_dir = ""                      # empty: the kit data root; howto100m: the folder of features and captions
 output_dir = "../runs/07_milnce_howto100m"  # one folder per run; a finished run is loaded, not retrained
+overrides = {}                     # further config keys for every training run, e.g. {"max_steps": 100}
 epochs = 6                         # training on `source` (DDP run, random-vs-GCBS arms)
 batch_size = 32
 sweep_epochs = 6                   # training on planted data in the K × σ sweep
@@ -346,8 +347,8 @@ print("largest gradient difference between ranks (the rank-sync check):", ranked
 # order), next to the same config in one process:
 
 # %%
-config = load_config("milnce", profile, {**source_options, "epochs": epochs, "batch_size": batch_size, "seed": seed,
-                                         "device": device})
+config = load_config("milnce", profile, {**overrides, **source_options, "epochs": epochs, "batch_size": batch_size,
+                                         "seed": seed, "device": device})
 ddp_summary = launch("gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False,
                      args={"config": asdict(config), "output_dir": str(work / "ddp")})
 one_summary = train(config, work / "one-process")
@@ -365,9 +366,9 @@ for name, summary in (("DDP", ddp_summary), ("1 process", one_summary)):
 # held-out steps the candidates; R@K counts a candidate that ties the match as ranked above it (pessimistic).
 
 # %% tags=["figure:recall-vs-bag-size"]
-def run(overrides, name):
-    """Train the milnce experiment (`profile`, then `overrides`) in `work / name`; the run's summary."""
-    return train(load_config("milnce", profile, {"device": device, **overrides}), work / name)
+def run(changes, name):
+    """Train the milnce experiment (`profile`, `overrides`, then `changes`) in `work / name`; the run's summary."""
+    return train(load_config("milnce", profile, {**overrides, "device": device, **changes}), work / name)
 
 
 planted_runs = {"source": "planted", "epochs": sweep_epochs, "batch_size": sweep_batch_size}
@@ -393,7 +394,7 @@ for (s, k, sd), metrics in sweep.items():
 
 # %%
 summaries = run_arms("milnce", profile, ["random", "gcbs"], seeds, work / "arms",
-                     {**source_options, "epochs": epochs, "batch_size": batch_size, "device": device})
+                     {**overrides, **source_options, "epochs": epochs, "batch_size": batch_size, "device": device})
 comparison = arms_table(summaries)  # the GCBS paper has no MIL-NCE experiment: no paper Δ
 
 # %% tags=["figure:dev-r10-and-delta"]
@@ -507,7 +508,8 @@ assert formats_agree and set(store.skipped) == {"v00001", "v00002"}
 assert all(f >= math.log(2) for f in forms["both"]) and forms["v2t"][-1] < forms["both"][-1]
 assert peaks[-1, 1] < peaks[-1, 0] / 2, "the chunked denominator should need far less memory"
 assert hit_rates[max(sigmas), max(bag_sizes)] > hit_rates[max(sigmas), min(bag_sizes)]
-assert r10[min(sigmas), max(bag_sizes)] > 5 * 10 / 144, "training should lift R@10 far above chance"
+assert "max_steps" in overrides or r10[min(sigmas), max(bag_sizes)] > 5 * 10 / 144, \
+    "training should lift R@10 far above chance"  # unless a dry run cut training to a few steps
 assert "not finite" in diverged
 assert official_compute_metrics(tied)["counted"] > len(tied) and ours[0] == 4
 

@@ -39,6 +39,7 @@ profile = "ci"                      # profile of gcbs_lib/configs/moco.yaml behi
 data = "mnist5k"                    # mnist5k | fashion-mnist | cifar10 (the paper's data)
 seeds = [0, 1]
 arms = ["random", "gcbs"]           # samplers compared; "random" is the baseline
+overrides = {}                      # further config keys for every run, e.g. {"epochs": 3}
 output_dir = "../runs/08_gcbs_moco"   # one folder per run; a finished run is loaded, not retrained
 
 # %%
@@ -58,7 +59,8 @@ from gcbs_lib.results import record
 from gcbs_lib.seeding import stream_seed
 from gcbs_lib.train import load_config
 
-config = load_config("moco", profile, {"device": device, "seed": seed, "data": data})
+settings = {**overrides, "device": device, "data": data}
+config = load_config("moco", profile, {**settings, "seed": seed})
 torch.manual_seed(seed)
 print(f"profile={profile}  data={data}  device={device}  arms={arms}  seeds={seeds}")
 
@@ -93,7 +95,7 @@ train_size = experiment.load_data().size
 model = experiment.build_model()
 K, keys, checks = len(model.queue), [], []
 for step in range(K // 8 + 2):
-    images = experiment.collate(list(range(8 * step, 8 * step + 8)))
+    images = experiment.collate([(8 * step + i) % train_size for i in range(8)])  # wraps on a small dataset
     query, key = (branch(x) for branch, x in zip(experiment.branches(model), images.inputs))
     queue = model.queue.clone()
     loss = experiment.loss([query, key], images, config.scale)
@@ -209,8 +211,7 @@ half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS
 # *GCBS worse* (below 0) or *not resolved*.
 
 # %%
-summaries = run_arms("moco", profile, arms, seeds, Path(output_dir) / profile / data,
-                     {"device": device, "data": data})
+summaries = run_arms("moco", profile, arms, seeds, Path(output_dir) / profile / data, settings)
 lines = arms_table(summaries, stand_in="NOT CIFAR-10")  # the GCBS paper gives no MoCo number
 rows = rows_of(summaries)
 record(rows, "08_gcbs_moco")
