@@ -206,11 +206,14 @@ def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
 
 
 def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool = False) -> bool:
-    """Rewrite the README's table (between its markers) of the committed `*.cpu.json` rows, each file's at the
-    commit that made it, without the dev metrics (model selection); with `check`, only compare. True if current."""
-    provenance = _provenance(Path(folder))
-    table = to_markdown([line for f in sorted(Path(folder).glob("*.cpu.json")) for line in build_table(
+    """Rewrite the README's table (between its markers) of the committed `*.cpu.json` rows at the commit that made
+    each file, without dev metrics, and each run's measured time; with `check`, only compare. True if current."""
+    provenance, files = _provenance(Path(folder)), sorted(Path(folder).glob("*.cpu.json"))
+    table = to_markdown([line for f in files for line in build_table(
         [r for r in read_rows(f) if not r["metric"].startswith("dev_")], provenance.get(f.name, {}).get("commit", ""))])
+    times = [f"{f.name[:2]} {p['seconds'] / 60:.0f} min on {p['cores']} cores" for f in files
+             if (p := provenance.get(f.name, {})).get("seconds")]
+    table += f"\nMeasured wall time of each run: {', '.join(times)}\n"
     text = Path(readme).read_text()
     if text.count(README_START) != 1 or text.count(README_END) != 1:
         raise ValueError(f"{readme} needs exactly one {README_START!r} and one {README_END!r} line")

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 
 # %%
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import arms_table, plot_deltas, plot_over_seeds, rows_of, run_arms
+from gcbs_lib.comparison import arms_table, pilot_plan, plot_deltas, plot_over_seeds, rows_of, run_arms
 from gcbs_lib.data import run_data_script
 from gcbs_lib.data.howto100m import FeatureStore, build_bags, caption_path, features_of, read_captions
 from gcbs_lib.distributed import launch
@@ -390,7 +390,22 @@ for (s, k, sd), metrics in sweep.items():
 # %% [markdown]
 # GCBS (notebook 03) orders each epoch's clips by the similarity of clip embeddings to bag-mean caption
 # embeddings (`MilNce.pair_embeddings`), so batches hold each other's hard negatives. Is that a help when the
-# positives are noisy bags? Both arms, the same seeds (the GCBS paper has no MIL-NCE experiment):
+# positives are noisy bags? Both arms on the same seeds (the GCBS paper has no MIL-NCE experiment), each seed's
+# untrained model scored too (`start`); Δ = mean over seeds of (GCBS − random) test R@10, with the 95 %
+# t-interval of the paired differences: *GCBS better* above 0, *GCBS worse* below, else *not resolved*.
+#
+# **How many seeds.** A pilot of the `cpu` profile on five seeds (commit c5e97d0, 679 s for the whole notebook
+# on 2 cores, about 85 s per seed for the sweep's six planted runs and both arms) moved test R@10 from 0.011
+# untrained to 0.095 (random) and gave Δ = −0.008 [−0.020, +0.004], *not resolved*, with an sd of the paired
+# Δ of 0.0099. The half-width of the interval against the number of seeds:
+
+# %%
+PILOT_SD, PILOT_SECONDS = 0.0099, 85  # the pilot: sd of the five paired Δ of test R@10, seconds per seed
+half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
+
+# %% [markdown]
+# The `cpu` profile runs sixteen seeds, past the table: ±t(0.975, 15)·0.0099/√16 = ±0.0053, under the pilot's
+# |Δ|, for about 23 minutes beyond the cells every run has.
 
 # %%
 summaries = run_arms("milnce", profile, ["random", "gcbs"], seeds, work / "arms",
