@@ -67,6 +67,7 @@ bench: $(STAMP)  ## run the bench/ scripts (about an hour on 2 cores; installs b
 	$(BIN)/python bench/bench_gcbs.py
 	$(BIN)/python bench/bench_gradcache.py $(BENCH_STEP_ARGS)
 	$(BIN)/python bench/bench_milnce.py $(BENCH_STEP_ARGS)
+	$(BIN)/python bench/bench_milnce_scale.py
 	$(BIN)/python bench/report.py
 
 gpu-check: $(STAMP)  ## on a lent GPU: dropout and bf16 replay, GCBS on CUDA vs CPU, resume, nccl (≤ 8 min); ARGS="--device cpu --quick"

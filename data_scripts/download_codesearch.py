@@ -11,8 +11,9 @@
 The bundled preprocess.py / run.sh come from those archives and are run as the official README runs them.
 
 Checksums: the publishers give none, and these hosts cannot be reached from the machine this kit was built
-on, so every checksum in FILES is None: the script prints each file's computed SHA-256 so that you can
-record it; a value filled in is enforced on every run. Offline, use the stand-in instead:
+on, so every checksum in FILES is None: the first fetch records each file's SHA-256 in SHA256SUMS beside it,
+and every later run checks the file against that line (copy SHA256SUMS to another node to check its files
+too; `sha256sum -c SHA256SUMS` reads it). A value filled in FILES is enforced instead. Offline, use the stand-in instead:
 `python data_scripts/build_codesearch_standin.py`.
 """
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from fetch import download_main, download, sha256sum
+from fetch import download_main, download
 
 COSQA = "https://github.com/Jun-jie-Huang/CoCLR/raw/main/data/search/"
 UNKNOWN = None  # no published checksum, and unreachable here: see the docstring
@@ -52,9 +53,7 @@ def unpack_dataset_zip(archive: Path, folder: Path) -> None:
 def fetch(dataset: str, root: Path) -> Path:
     folder = root / "codesearch" / FOLDER[dataset]
     for url, name, sha256 in FILES[dataset]:
-        path = download(url, folder / "downloads" / name if name.endswith(".zip") else folder / name, sha256)
-        state = "checked" if sha256 else "not checked: no recorded checksum, record this one"
-        print(f"sha256 {sha256sum(path)}  {path}  ({state})")
+        download(url, folder / "downloads" / name if name.endswith(".zip") else folder / name, sha256)
     if dataset == "advtest" and not (folder / "test.jsonl").is_file():
         unpack_dataset_zip(folder / "downloads" / "dataset.zip", folder)
         with zipfile.ZipFile(folder / "downloads" / "python.zip") as zipped:

@@ -9,13 +9,14 @@
   wiki1m    wiki1m_for_simcse.txt, the unsupervised training sentences (data/download_wiki.sh).
 
 Checksums: SimCSE publishes none, and huggingface.co cannot be reached from the machine this kit was built on,
-so SHA256 below is None for every file: the script prints each file's computed SHA-256 so that you can record
-it; a value filled in is enforced on every run. Offline, build the stand-in (NOT STS) from the gensim wheel's
+so SHA256 below is None for every file: the first fetch records each file's SHA-256 in sts/SHA256SUMS, and
+every later run (or a copy of that file on another node) checks against it; a value filled in is enforced
+instead. Offline, build the stand-in (NOT STS) from the gensim wheel's
 test data: `python data_scripts/build_sts_standin.py`.
 """
 from pathlib import Path
 
-from fetch import download_main, download, sha256sum, unpack
+from fetch import download_main, download, unpack
 
 BASE = "https://huggingface.co/datasets/princeton-nlp/datasets-for-simcse/resolve/main/"
 FILES = {"senteval": "senteval.tar", "wiki1m": "wiki1m_for_simcse.txt"}
@@ -25,8 +26,6 @@ SHA256 = {name: None for name in FILES.values()}  # unknown here: see the docstr
 def fetch(key: str, root: Path) -> Path:
     name = FILES[key]
     path = download(BASE + name, root / "sts" / name, SHA256[name])
-    state = "checked" if SHA256[name] else "not checked: no recorded checksum, record this one"
-    print(f"sha256 {sha256sum(path)}  {path}  ({state})")
     if key == "senteval" and not (root / "sts" / "SentEval").is_dir():
         unpack(path, root / "sts" / "SentEval")
         return root / "sts" / "SentEval"

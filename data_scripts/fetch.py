@@ -26,9 +26,20 @@ def sha256sum(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+SUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` format: "<hex>  <file name>" per line
+
+
+def recorded_sums(folder: Path) -> dict[str, str]:
+    """{file name: SHA-256} of `folder`'s SHA256SUMS ({} if it has none)."""
+    lines = (folder / SUMS).read_text().splitlines() if (folder / SUMS).is_file() else []
+    return {name.lstrip("*"): digest for digest, name in (line.split(None, 1) for line in lines if line.strip())}
+
+
 def download(url: str, path: str | Path, sha256: str | None = None, timeout: float = 60) -> Path:
-    """Fetch `url` to `path` (atomically) unless it is there; a file whose SHA-256 differs from a known `sha256`
-    is removed and refused; an unreachable host raises `DownloadError` saying where to put the file by hand."""
+    """Fetch `url` to `path` (atomically) unless it is there, and check its SHA-256: against `sha256` if known,
+    else against the line its folder's SHA256SUMS holds for it, which the first fetch writes (`sha256sum -c
+    SHA256SUMS` reads it; copied to another node, it checks that node's copy). A file that differs is removed and
+    refused; an unreachable host raises `DownloadError` saying where to put the file by hand. Prints the SHA-256."""
     path = Path(path)
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,9 +52,15 @@ def download(url: str, path: str | Path, sha256: str | None = None, timeout: flo
             raise DownloadError(f"could not download {url} ({error}). This machine may not reach it: fetch "
                                 f"it where the network allows and place it at {path}") from None
         os.replace(partial, path)
-    if sha256 is not None and (actual := sha256sum(path)) != sha256:
+    actual, expected = sha256sum(path), sha256 or recorded_sums(path.parent).get(path.name)
+    if expected is not None and actual != expected:
         path.unlink()
-        raise ValueError(f"{path.name}: SHA-256 {actual} differs from the recorded {sha256}; file removed")
+        where = "the recorded" if sha256 else f"the one in {path.parent / SUMS}"
+        raise ValueError(f"{path.name}: SHA-256 {actual} differs from {where}, {expected}; file removed")
+    if expected is None:
+        with open(path.parent / SUMS, "a") as sums:
+            sums.write(f"{actual}  {path.name}\n")
+    print(f"sha256 {actual}  {path}  ({'checked' if expected else f'first fetch: recorded in {path.parent / SUMS}'})")
     return path
 
 

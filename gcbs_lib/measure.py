@@ -1,6 +1,7 @@
 """Peak memory of a step: the CUDA allocator's peak, or on CPU the resident set's rise in a fresh process, after
 a warm-up step. On Linux "vmhwm" (reset the kernel's peak-RSS counter via /proc/self/clear_refs, read VmHWM: exact),
-elsewhere "sampled_rss" (a thread reads the resident set every 0.2 ms: it can miss a shorter peak)."""
+elsewhere "sampled_rss" (a thread reads the resident set every 0.2 ms: it can miss a shorter peak); "sampled_anonymous"
+samples it without the file-backed pages (a memory-mapped file read in is cache the kernel can drop, not held memory)."""
 import os
 import subprocess
 import sys
@@ -26,22 +27,22 @@ def memory_rise(run, method: str) -> int:
         run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    if method not in ("vmhwm", "sampled_rss"):
-        raise ValueError(f"unknown memory method {method!r}: use 'cuda', 'vmhwm' or 'sampled_rss'")
+    if method not in ("vmhwm", "sampled_rss", "sampled_anonymous"):
+        raise ValueError(f"unknown memory method {method!r}: use 'cuda', 'vmhwm', 'sampled_rss' or 'sampled_anonymous'")
     process, done = psutil.Process(), threading.Event()
-    before = peak = process.memory_info().rss
+    def resident() -> int:
+        return (m := process.memory_info()).rss - (m.shared if method == "sampled_anonymous" else 0)
+    before = peak = resident()
     if method == "vmhwm":
         with open(CLEAR_REFS, "w") as clear_refs:
             clear_refs.write("5")  # the peak-RSS counter restarts from the current RSS
         run()
         with open("/proc/self/status") as status:
             return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024 - before
-
     def watch() -> None:
         nonlocal peak
         while not done.wait(2e-4):
-            peak = max(peak, process.memory_info().rss)
-
+            peak = max(peak, resident())
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
@@ -49,7 +50,7 @@ def memory_rise(run, method: str) -> int:
     finally:
         done.set()
         watcher.join()
-    return max(peak, process.memory_info().rss) - before
+    return max(peak, resident()) - before
 
 
 def fresh_process_bytes(arguments: list[str], what, timeout: float = 600) -> int:

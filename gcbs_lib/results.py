@@ -49,8 +49,7 @@ def write_rows(path: str | Path, rows: list[dict]) -> Path:
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    rows = json.loads(Path(path).read_text())
-    if not isinstance(rows, list):
+    if not isinstance(rows := json.loads(Path(path).read_text()), list):
         raise ValueError(f"{path}: a results file holds a JSON list of rows")
     return [check_row(r) for r in rows]
 

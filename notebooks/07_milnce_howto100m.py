@@ -405,7 +405,9 @@ half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS
 
 # %% [markdown]
 # The `cpu` profile runs sixteen seeds, past the table: ±t(0.975, 15)·0.0099/√16 = ±0.0053, under the pilot's
-# |Δ|, for about 23 minutes beyond the cells every run has.
+# |Δ|, for about 23 minutes beyond the cells every run has. Its committed run (README table, commit 3ec3990,
+# 25 min on 2 cores): test R@10 start 0.011, random 0.0954 ± 0.0079, GCBS 0.0859 ± 0.008,
+# Δ −0.0094 [−0.0148, −0.0041], *GCBS worse*; R@1, R@5 and the median rank say the same.
 
 # %%
 summaries = run_arms("milnce", profile, ["random", "gcbs"], seeds, work / "arms",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fetch import DownloadError, download, sha256sum
+from fetch import SUMS, DownloadError, download, recorded_sums, sha256sum
 from gcbs_lib.data import data_root
 from gcbs_lib.data.codesearch import load, retrieval_task
 
@@ -76,6 +76,20 @@ def test_download_fetches_once_and_enforces_a_known_checksum(tmp_path):
     with pytest.raises(ValueError, match="differs"):
         download(source.as_uri(), tmp_path / "b.txt", sha256="0" * 64)
     assert not (tmp_path / "b.txt").exists()
+
+
+def test_without_a_known_checksum_the_first_fetch_records_one_that_later_runs_and_sha256sum_enforce(tmp_path):
+    source, folder = tmp_path / "source.txt", tmp_path / "data"
+    source.write_text("payload")
+    target = download(source.as_uri(), folder / "copy.txt")
+    assert recorded_sums(folder) == {"copy.txt": sha256sum(source)}
+    assert subprocess.run(["sha256sum", "--check", "--quiet", SUMS], cwd=folder).returncode == 0
+    assert download(source.as_uri(), target).read_text() == "payload"  # checked against the record: the same
+    assert recorded_sums(folder) == {"copy.txt": sha256sum(source)}    # and not recorded twice
+    target.write_text("corrupted")                                     # on disk since the first fetch
+    with pytest.raises(ValueError, match=f"differs from the one in {folder / SUMS}"):
+        download(source.as_uri(), target)
+    assert not target.exists()
 
 
 def test_download_says_clearly_when_a_host_is_unreachable(tmp_path):

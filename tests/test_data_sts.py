@@ -246,7 +246,7 @@ def test_download_script_unpacks_senteval_where_the_readers_find_it(tmp_path, mo
         download_sts.main(["--root", str(tmp_path / "data"), "--only", "senteval", "wiki1m"])
     assert finished.value.code == 1                                   # wiki1m is not served
     output = capsys.readouterr()
-    assert "not checked: no recorded checksum" in output.out and "wiki1m: UNREACHABLE" in output.err
+    assert "first fetch: recorded in" in output.out and "wiki1m: UNREACHABLE" in output.err
     year = senteval_path("STS15", tmp_path / "data" / "sts" / "SentEval")
     assert len(load(year, "STS15")[0]) == 2 * len(STS_YEARS["STS15"])
 

@@ -1,4 +1,5 @@
 """Specification of the memory probes: the rise of the resident set over a step, by either CPU measure."""
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,14 @@ def test_a_step_that_fills_256_mib_rises_by_about_256_mib(method):
         pytest.skip("no writable /proc/self/clear_refs here")
     rise = memory_rise(lambda: torch.ones(64 * MiB).sum(), method)  # 64 Mi float32
     assert 240 * MiB < rise < 300 * MiB
+
+
+@pytest.mark.parametrize("method, counted", [("sampled_rss", True), ("sampled_anonymous", False)])
+def test_a_memory_mapped_file_read_in_counts_in_the_resident_set_but_not_in_the_anonymous_one(tmp_path, method,
+                                                                                                counted):
+    np.ones(32 * MiB, dtype=np.float32).tofile(tmp_path / "ones")  # 128 MiB on disk
+    rise = memory_rise(lambda: np.memmap(tmp_path / "ones", dtype=np.float32, mode="r").sum(), method)
+    assert (rise > 100 * MiB) == counted and rise < 160 * MiB
 
 
 def probe(method, batch_size):
