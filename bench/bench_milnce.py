@@ -29,7 +29,6 @@ batch each trial, the same for every arm): their bags, exclusions, caption texts
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -44,8 +43,6 @@ import torch
 import torch.nn.functional as F
 
 from gcbs_lib.check import relative_error
-
-ROOT_DIR = Path(__file__).resolve().parents[1]
 from gcbs_lib.data.howto100m import (MIN_TIME, FeatureStore, _plain_captions, _read_csv_captions, build_bags,
                                      clip_features, features_of, nearest_bag, open_arrays, read_captions, save_arrays,
                                      widen)
@@ -53,12 +50,11 @@ from gcbs_lib.losses import mil_nce
 from gcbs_lib.measure import fresh_process_bytes, memory_method, memory_rise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-_spec = importlib.util.spec_from_file_location("howto100m_planted", ROOT_DIR / "data_scripts" / "howto100m_planted.py")
-planted = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(planted)
 from report import ROOT, machine_summary  # noqa: E402  (bench/ is not a package)
-from trials import (CLOCK_TEXT, CLOCKS, add_run_arguments, interleaved_trials, ratios,  # noqa: E402
+from trials import (CLOCK_TEXT, CLOCKS, add_run_arguments, data_script, interleaved_trials, ratios,  # noqa: E402
                     rerun_command, spread, write_section)
+
+planted = data_script("howto100m_planted")
 
 TEMPERATURE = 0.07
 FORMS = ("v2t", "both")

@@ -14,7 +14,6 @@ set, which counts the pages of memory-mapped feature files read in (cache the ke
 videos the batch and the dev subset touch), and its anonymous part (`sampled_anonymous`): the memory a run holds.
 """
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -30,11 +29,9 @@ from gcbs_lib.measure import fresh_process_bytes, memory_method, memory_rise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import ROOT, machine_summary  # noqa: E402  (bench/ is not a package)
-from trials import add_run_arguments, rerun_command, write_section  # noqa: E402
+from trials import add_run_arguments, data_script, rerun_command, write_section  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("howto100m_planted", ROOT / "data_scripts" / "howto100m_planted.py")
-planted = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(planted)
+planted = data_script("howto100m_planted")
 
 
 def experiment(setting: dict) -> MilNce:

@@ -6,6 +6,7 @@ are taken within a trial, so load that comes and goes hits every arm alike.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import statistics
 import sys
@@ -18,6 +19,15 @@ import torch
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 CLOCK_TEXT = {"wall": "wall time",
               "process": "CPU time of the process (steady under other load; with one thread it is the step's work)"}
+
+
+def data_script(name: str):
+    """The module of `data_scripts/<name>.py` (a folder of scripts, not a package), loaded from its file."""
+    path = Path(__file__).resolve().parents[1] / "data_scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def interleaved_trials(steps: dict[str, Callable[[], None]], trials: int, clock: Callable[[], float],
