@@ -85,6 +85,7 @@ torch.manual_seed(seed)
 work = Path(output_dir) / profile
 base = {"data_dir": data_dir} if data_dir else {}
 source_options = {**base, "source": source, "bag_size": comparison_bag_size, "planted_sigma": comparison_sigma}
+training = {**overrides, **source_options, "epochs": epochs, "batch_size": batch_size, "device": device}  # on `source`
 print(f"profile={profile}  device={device}  source={source}  nproc={nproc}  torch={torch.__version__}")
 
 # %% [markdown]
@@ -347,8 +348,7 @@ print("largest gradient difference between ranks (the rank-sync check):", ranked
 # order), next to the same config in one process:
 
 # %%
-config = load_config("milnce", profile, {**overrides, **source_options, "epochs": epochs, "batch_size": batch_size,
-                                         "seed": seed, "device": device})
+config = load_config("milnce", profile, {**training, "seed": seed})
 ddp_summary = launch("gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False,
                      args={"config": asdict(config), "output_dir": str(work / "ddp")})
 one_summary = train(config, work / "one-process")
@@ -410,8 +410,7 @@ half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS
 # Δ −0.0094 [−0.0148, −0.0041], *GCBS worse*; R@1, R@5 and the median rank say the same.
 
 # %%
-summaries = run_arms("milnce", profile, ["random", "gcbs"], seeds, work / "arms",
-                     {**overrides, **source_options, "epochs": epochs, "batch_size": batch_size, "device": device})
+summaries = run_arms("milnce", profile, ["random", "gcbs"], seeds, work / "arms", training)
 comparison = arms_table(summaries)  # the GCBS paper has no MIL-NCE experiment: no paper Δ
 
 # %% tags=["figure:dev-r10-and-delta"]

@@ -1,9 +1,10 @@
 """The paper path, dry-run on a CPU: every experiment's `paper` profile through the training command, with tiny
 random-initialised models of the paper's architectures (a RoBERTa with UniXcoder's mode tokens, a BERT, the
 kit's MoCo ResNet-18 layout) and a few rows of each published data format, through the same readers, the GCBS
-sampler, checkpoints, a resume after a kill and a rerun that reuses the finished run; then notebooks 04–08 through the runner (`python -m gcbs_lib.reproduce
---profile paper`) on the same data and models. Only the models, the data
-paths, the device, the steps and the sizes a CPU cannot hold (MIL-NCE's batch, MoCo's width) are overridden.
+sampler, checkpoints, a resume after a kill and a rerun that reuses the finished run; then notebooks 04–08
+through the runner (`python -m gcbs_lib.reproduce --profile paper`) on the same data and models. Only the
+models, the data paths, the device, the steps and the sizes a CPU cannot hold (MIL-NCE's batch, MoCo's width)
+are overridden.
 """
 import json
 import pickle
@@ -21,6 +22,8 @@ from conftest import planted_pair
 MODE_TOKENS = ["<encoder-only>", "<decoder-only>", "<encoder-decoder>"]  # plain vocabulary entries in UniXcoder
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
 WORDS = [f"w{i}" for i in range(120)]
+CPU_SIZES = {"milnce": {"chunk_size": 16, "loss_chunk_size": 16},  # the paper sizes a CPU cannot hold, cut
+             "moco": {"width": 8, "dev_size": 40, "batch_size": 64}}
 
 
 @pytest.fixture(scope="module")
@@ -199,38 +202,34 @@ def test_sentence_paper_profiles_run_on_wiki1m_and_senteval(experiment, models, 
 
 
 def test_milnce_paper_profile_runs_on_howto100m_features(howto100m, tmp_path, capsys, monkeypatch):
-    check_run("milnce", tmp_path / "milnce", {"data_dir": howto100m, "batch_size": 32, "chunk_size": 16,
-                                              "loss_chunk_size": 16}, capsys, monkeypatch)
+    check_run("milnce", tmp_path / "milnce", {"data_dir": howto100m, "batch_size": 32, **CPU_SIZES["milnce"]}, capsys,
+              monkeypatch)
 
 
 def test_moco_paper_profile_runs_on_cifar10_batches(paper_root, tmp_path, capsys, monkeypatch):
-    check_run("moco", tmp_path / "moco", {"data_root": paper_root, "width": 8, "dev_size": 40, "batch_size": 64},
-              capsys, monkeypatch)
-
+    check_run("moco", tmp_path / "moco", {"data_root": paper_root, **CPU_SIZES["moco"]}, capsys, monkeypatch)
 
 
 def notebook_dry_run(notebook, tmp_path, overrides, *options):
     """Notebook `notebook` through the runner on the `paper` profile, seed 0, on the CPU, each training run two
-    steps: its result rows (the runner failed the test if any cell raised)."""
+    steps: every cell ran, and its finite result rows hold the start, random and GCBS arms."""
     argv = ["--profile", "paper", "--only", notebook, "--output-dir", str(tmp_path), "--fail-fast", "-p", "device",
             "cpu", "-p", "seeds", "[0]", "-p", "overrides", json.dumps({"max_steps": 2, **overrides}), *options]
     assert reproduce.main(argv) == 0, (tmp_path / "run.json").read_text()
     rows = [row for path in (tmp_path / "results").glob("*.json") for row in read_rows(path)]
     assert rows and {row["profile"] for row in rows} == {"paper"} and all(np.isfinite(r["value"]) for r in rows)
-    return rows
+    assert {"start", "random", "gcbs"} <= {row["arm"] for row in rows}
 
 
 @pytest.mark.parametrize("notebook", ["04", "05", "06", "08"])
 def test_gcbs_notebooks_run_their_paper_profile_through_the_runner(notebook, models, paper_root, tmp_path):
     overrides = {"04": {"encoder": models["roberta"]}, "05": {"encoder": models["bert"]},
-                 "06": {"encoder": models["bert"]}, "08": {"width": 8, "dev_size": 40, "batch_size": 64, "queue_size": 256}}[notebook]
+                 "06": {"encoder": models["bert"]}, "08": {**CPU_SIZES["moco"], "queue_size": 256}}[notebook]
     ranks = ["--nproc", "1", "--backend", "gloo"] if notebook == "04" else []  # the profile's 4 GPUs, NCCL
-    rows = notebook_dry_run(notebook, tmp_path, {"data_root": str(paper_root), **overrides}, *ranks)
-    assert {"start", "random", "gcbs"} <= {row["arm"] for row in rows}
+    notebook_dry_run(notebook, tmp_path, {"data_root": str(paper_root), **overrides}, *ranks)
 
 
 def test_milnce_notebook_runs_its_paper_profile_through_the_runner(howto100m, tmp_path):
-    rows = notebook_dry_run("07", tmp_path, {"chunk_size": 16, "loss_chunk_size": 16, "sync_check_every": 1}, "-p", "data_dir", str(howto100m),
-                            "-p", "batch_size", "32", "-p", "memory_clips", "[64, 128]", "-p", "memory_dim", "32",
-                            "-p", "memory_chunk_size", "16", "--nproc", "2", "--backend", "gloo")
-    assert {"start", "random", "gcbs"} <= {row["arm"] for row in rows}
+    notebook_dry_run("07", tmp_path, {**CPU_SIZES["milnce"], "sync_check_every": 1}, "-p", "data_dir", str(howto100m),
+                     "-p", "batch_size", "32", "-p", "memory_clips", "[64, 128]", "-p", "memory_dim", "32",
+                     "-p", "memory_chunk_size", "16", "--nproc", "2", "--backend", "gloo")
