@@ -24,4 +24,6 @@ def test_the_profiles_carry_promcses_recipe():
     promcse = load_config("promcse", "paper")
     assert (promcse.lr, promcse.batch_size, promcse.options.pre_seq_len) == (3e-2, 256, 16)
     assert promcse.options.pooling == load_config("simcse", "paper").options.pooling == "cls_mlp_train"
-    assert load_config("promcse", "cpu").chunk_size == 64  # batch 256 on a CPU: GradCache
+    cpu = load_config("promcse", "cpu")  # a measurement's size: every stand-in sentence once, from the masked LM
+    assert (cpu.epochs, cpu.options.train_limit, cpu.options.encoder) == (1, None, "mlm-bert")
+    assert load_config("promcse", "ci").chunk_size == 16  # the smoke test goes through GradCache
