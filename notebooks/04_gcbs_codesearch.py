@@ -173,6 +173,13 @@ groups_apart = mixed["gcbs"] == 0
 # 20 steps, then flat). $s_\Delta$ = 0.0044, and a seed costs 1,458 s for both arms (each arm also embeds all
 # 5,105 pairs at each epoch start, ≈ 60 s, for its loss gap and GCBS's order). Five seeds then give Δ ± 0.0055
 # in about 2 h: enough to resolve a Δ near +0.01 inside the 3-hour budget, so the profile runs five.
+#
+# **What the five seeds said.** The later seeds spread wider than the pilot's two (Δ −0.0044, −0.0037 on seeds 2
+# and 3). The committed run (README table, commit ca8b4c2, 132 min on 2 cores): test MRR start 0.2338, random
+# 0.2537 ± 0.0051 (training gains +0.020, four times the sd), GCBS 0.2571 ± 0.0040, Δ +0.0034 [−0.0062, +0.013],
+# *not resolved* (the paper's AdvTest +0.020 lies above the interval). With its $s_\Delta$ ≈ 0.0077, a Δ this
+# small needs about 20 seeds (≈ 8 h) to resolve: beyond the budget, so on this stand-in the answer is this
+# measurement, not a verdict.
 
 # %%
 PILOT_SD, PILOT_SECONDS = 0.0044, 1458  # the pilot: sd of the two paired Δ, seconds per seed (both arms)
