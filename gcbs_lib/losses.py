@@ -74,9 +74,31 @@ def mil_nce(video: torch.Tensor, text: torch.Tensor, bag_idx: torch.Tensor, temp
     [B, E]` (-1 = padding) names captions that are no negatives for clip i: those pairs (i, j) leave both sums.
     `chunk_size` streams the denominators in blocks of chunk_size² scores (no B×N matrix is held), with the same
     values and gradients to rounding. Returns the mean, or `[B]` with reduction="none"."""
-    _check_mil_nce(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction)
-    scaled, padding, bags = video / temperature, bag_idx < 0, bag_idx.clamp(min=0)
+    # clear errors for everything mil_nce cannot score (a CUDA gather would return garbage instead)
+    require(direction in ("v2t", "both") and reduction in ("mean", "none"), f"direction must be 'v2t' or 'both', "
+            f"reduction 'mean' or 'none'; got {direction!r}, {reduction!r}")
+    require(chunk_size is None or type(chunk_size) is int and chunk_size > 0,
+            f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    require(video.dim() == text.dim() == 2 and video.shape[1] == text.shape[1] and len(video) and len(text),
+            f"expected video [B, D] and text [N, D], B, N > 0; got {tuple(video.shape)}, {tuple(text.shape)}")
+    t = torch.as_tensor(temperature).detach()
+    require(t.numel() == 1 and 0 < t.item() < math.inf, f"temperature must be one positive finite number, got {t}")
+    require(torch.isfinite(video).all() and torch.isfinite(text).all(),
+            "the video or text embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)")
     exclude = bag_idx.new_empty(len(video), 0) if exclude_idx is None else exclude_idx
+    for name, index in (("bag_idx", bag_idx), ("exclude_idx", exclude)):
+        require(index.dtype == torch.long and index.dim() == 2 and len(index) == len(video),
+                f"{name} must be a long tensor [B={len(video)}, A], got {index.dtype} {tuple(index.shape)}")
+        require(not index.numel() or -1 <= index.min() <= index.max() < len(text),
+                f"{name} holds indices outside [-1, {len(text)}) ({len(text)} captions, -1 pads)")
+    empty = (bag_idx < 0).all(dim=1).nonzero().flatten().tolist()
+    require(not empty, f"clips {empty} have an empty bag (a row of only -1)")
+    ordered = bag_idx.sort(dim=1).values
+    require(not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
+            "a caption appears twice in one bag; list each caption of a bag once")
+    shared = (exclude[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
+    require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")
+    scaled, padding, bags = video / temperature, bag_idx < 0, bag_idx.clamp(min=0)
     rows, slots = (exclude >= 0).nonzero(as_tuple=True)
     cols = exclude[rows, slots]
     positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf).logsumexp(dim=1)
@@ -127,31 +149,3 @@ class _ChunkedLogSumExp(torch.autograd.Function):
             grad_a[r].addmm_(weights, b[c])
             grad_b[c].addmm_(weights.T, a[r])
         return grad_a, grad_b, None, None, None
-
-
-def _check_mil_nce(video, text, bag_idx, exclude_idx, temperature, direction, chunk_size, reduction) -> None:
-    """Clear errors for everything `mil_nce` cannot score (a CUDA gather would return garbage instead)."""
-    require(direction in ("v2t", "both") and reduction in ("mean", "none"), f"direction must be 'v2t' or 'both', "
-            f"reduction 'mean' or 'none'; got {direction!r}, {reduction!r}")
-    require(chunk_size is None or type(chunk_size) is int and chunk_size > 0,
-            f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    require(video.dim() == text.dim() == 2 and video.shape[1] == text.shape[1] and len(video) and len(text),
-            f"expected video [B, D] and text [N, D], B, N > 0; got {tuple(video.shape)}, {tuple(text.shape)}")
-    t = torch.as_tensor(temperature).detach()
-    require(t.numel() == 1 and 0 < t.item() < math.inf, f"temperature must be one positive finite number, got {t}")
-    require(torch.isfinite(video).all() and torch.isfinite(text).all(),
-            "the video or text embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)")
-    for name, index in (("bag_idx", bag_idx), ("exclude_idx", exclude_idx)):
-        if index is not None:
-            require(index.dtype == torch.long and index.dim() == 2 and len(index) == len(video),
-                    f"{name} must be a long tensor [B={len(video)}, A], got {index.dtype} {tuple(index.shape)}")
-            require(not index.numel() or -1 <= index.min() <= index.max() < len(text),
-                    f"{name} holds indices outside [-1, {len(text)}) ({len(text)} captions, -1 pads)")
-    empty = (bag_idx < 0).all(dim=1).nonzero().flatten().tolist()
-    require(not empty, f"clips {empty} have an empty bag (a row of only -1)")
-    ordered = bag_idx.sort(dim=1).values
-    require(not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
-            "a caption appears twice in one bag; list each caption of a bag once")
-    if exclude_idx is not None:
-        shared = (exclude_idx[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
-        require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")

@@ -113,12 +113,11 @@ class HFEncoder(nn.Module):
 
     def tokenize(self, texts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
         """Ids and attention mask, right-padded, at most `max_length` (default: the encoder's) tokens a text."""
-        texts, max_length = list(texts), max_length or self.max_length
+        texts, length = list(texts), max_length or self.max_length
         if self.prefix_id is None:
-            return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=max_length,
-                                       return_tensors="pt"))
+            return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=length, return_tensors="pt"))
         cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
-        bodies = self.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_length - 4)
+        bodies = self.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=length - 4)
         rows = [[cls, self.prefix_id, sep, *body, sep] for body in bodies["input_ids"]]
         return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt"))
 

@@ -2,10 +2,7 @@
 `train(load_config("codesearch", "ci", {"sampler": "gcbs"}), "runs/x")`, or the command (also under torchrun):
 `python -m gcbs_lib.train --experiment codesearch --profile ci --output-dir runs/x --sampler gcbs --set lr=1e-4`.
 Rank r's loss is its share of the global loss (notebook 02), through GradCache with `chunk_size`. Random streams
-come from `seeding.stream_seed`, the global one reseeded at each step: a rerun resumes bitwise from checkpoint.pt.
-"""
-from __future__ import annotations
-
+come from `seeding.stream_seed`, the global one reseeded at each step: a rerun resumes bitwise from checkpoint.pt."""
 import argparse
 import contextlib
 import hashlib

@@ -47,8 +47,7 @@ def senteval_path(task: str, folder: str | Path, split: str = "test") -> Path:
     if task not in TASKS or (task in SPLIT_FILES and split not in SPLIT_FILES[task][1]):
         raise ValueError(f"unknown task {task!r} or split {split!r}; tasks {TASKS}, splits train/dev/test")
     name = f"{task}-en-test" if task in STS_YEARS else SPLIT_FILES[task][1][split]
-    found = sorted(Path(folder).rglob(name))
-    if not found:
+    if not (found := sorted(Path(folder).rglob(name))):
         raise FileNotFoundError(f"no {name} below {folder}: unpack senteval.tar there (data_scripts/download_sts.py)")
     return found[0]
 

@@ -1,8 +1,6 @@
 """PromCSE (Jiang, Zhang and Wang, 2022) as the GCBS paper trains it: SimCSE's unsupervised recipe on a frozen
 encoder where only deep prefix prompts (`gcbs_lib.prefix`) and SimCSE's MLP learn; lr 3e-2, batch 256 (on a CPU,
 through GradCache: `chunk_size`)."""
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from torch import nn

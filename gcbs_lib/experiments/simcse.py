@@ -1,10 +1,7 @@
 """Unsupervised SimCSE (Gao, Yao and Chen, 2021) as the GCBS paper trains it: the two dropout masks of two passes
 make a sentence's positive pair, the batch's other sentences the negatives, ℓ_i = −log( e^{cos(h_i, h_i⁺)/τ} /
 Σ_j e^{cos(h_i, h_j⁺)/τ} ), τ = 0.05, one direction; max length 32, batch 64, lr 3e-5, [CLS] through an MLP at
-training time only. Scored by Spearman's ρ (a fraction; papers print ×100) on SentEval or the stand-in (NOT STS).
-"""
-from __future__ import annotations
-
+training time only. Scored by Spearman's ρ (a fraction; papers print ×100) on SentEval or the stand-in (NOT STS)."""
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
