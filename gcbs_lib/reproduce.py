@@ -6,7 +6,9 @@ selected notebook with that parameter, typed like its default; a name none has i
 A notebook's `output_dir` (where it trains) is DIR/work/<notebook> unless `-p output_dir` sets it.
 DIR gets the executed notebooks, `figures/` (PNGs named <notebook>_<name> by a cell tag `figure:<name>`, else
 <notebook>_in<execution count>), `results/` (the rows notebooks `record`), and `results.md`
-(their table), and `run.json` (what ran, how, how long)."""
+(their table), and `run.json` (what ran, how, how long). A DIR used before at the same clean commit keeps the
+rows of each notebook run again with the same parameters but `seeds`: seeds may run in separate invocations, and
+their rows and seconds add up. Otherwise its earlier rows and figures go."""
 import argparse
 import ast
 import base64
@@ -128,20 +130,26 @@ def main(argv: list[str] | None = None) -> int:
     for notebook, parameters in plans.items():  # its training runs stay in this run's folder
         if "output_dir" in notebooks[notebook] and "output_dir" not in overrides:
             parameters["output_dir"] = str((out / "work" / notebook.stem).resolve())
-    for stale in ("figures", "results"):  # a folder used before: its earlier run's figures and rows go
-        shutil.rmtree(out / stale, ignore_errors=True)
-    (out / "figures").mkdir(parents=True)
     run = {"command": "python -m gcbs_lib.reproduce " + shlex.join(sys.argv[1:] if argv is None else argv),
            "commit": current_commit(), "profile": args.profile, "cores": os.cpu_count(),
            "load_average": round(os.getloadavg()[0], 1),  # other work on the machine slows what notebooks time
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "notebooks": {}}
+    earlier = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {"notebooks": {}}
+    same_code = "+dirty" not in run["commit"] and run["commit"] == earlier.get("commit")
+    kept = {p.stem: n for p, parameters in plans.items() if same_code and (n := earlier["notebooks"].get(p.stem))
+            and {**n["parameters"], "seeds": None} == {**parameters, "seeds": None}}  # seeds may differ
+    for stale in {*out.glob("results/*.json"), *out.glob("figures/*")} - {out / f"results/{s}.json" for s in kept}:
+        stale.unlink()  # a folder used before keeps the rows of the notebooks run again at its commit and settings
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    run["command"] = f"{earlier['command']} && {run['command']}" if kept else run["command"]  # rows add up
     with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):
         for notebook, parameters in plans.items():
             run["notebooks"][notebook.stem] = outcome = execute(notebook, parameters, out, args.prepare_only)
+            outcome["seconds"] += kept.get(notebook.stem, {}).get("seconds", 0)  # with the earlier invocations'
             print(f"{outcome['status']:>8}  {notebook.stem}  {outcome['seconds']:.0f} s  {outcome['error']}")
+            write_text_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
             if args.fail_fast and outcome["status"] == "failed":
                 break
-    write_text_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
     lines = build_table([row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)], run["commit"])
     tables = [f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
               for name in dict.fromkeys(line.experiment for line in lines)]  # one table per experiment

@@ -55,9 +55,13 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def record(rows: list[dict], name: str) -> Path | None:
-    """Save a notebook's rows as `<name>.json` in the runner's folder; without the runner, write nothing."""
-    folder = os.environ.get(RESULTS_DIR_VARIABLE)
-    return write_rows(Path(folder) / f"{name}.json", rows) if folder else None
+    """Save a notebook's rows as `<name>.json` in the runner's folder, over the rows there of the same arm, seed and
+    metric (the runner keeps earlier rows only from the same commit and settings); without the runner, nothing."""
+    if not (folder := os.environ.get(RESULTS_DIR_VARIABLE)):
+        return None
+    path, key = Path(folder) / f"{name}.json", lambda row: (row["experiment"], row["arm"], row["seed"], row["metric"])
+    new = {key(row) for row in rows}
+    return write_rows(path, [r for r in (read_rows(path) if path.exists() else []) if key(r) not in new] + rows)
 
 
 # A headline Δ (arm − random) of the paper on the metric's 0–1 scale (+1.0 % MRR is +0.010).
@@ -170,18 +174,14 @@ def to_markdown(lines: list[TableLine]) -> str:
     out = ["| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ [95 % CI] | paper Δ | verdict "
            "| data | model | profile | commit |", "|---" * 13 + "|"]
     for line in lines:
-        scale = (line.random or line.kit or line.start).mean
+        scale, paper = (line.random or line.kit or line.start).mean, line.paper
+        paper = paper and (" / ".join(f"{d:+.4f}" for d in paper.deltas) or "none reported") + f" ({paper.source})"
         delta = "" if line.delta is None else number(line.delta, scale, signed=True) + (
             "" if line.low is None else f" [{number(line.low, scale, signed=True)}, {number(line.high, scale, signed=True)}]")
         cells = (line.experiment, line.metric, summary(line.start), summary(line.random), line.arm, summary(line.kit),
-                 delta, paper_text(line.paper), line.verdict, line.data, line.model, line.profile, line.commit)
+                 delta, paper, line.verdict, line.data, line.model, line.profile, line.commit)
         out.append("| " + " | ".join((c or "—").replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"
-
-
-def paper_text(paper: PaperDelta | None) -> str:
-    return "" if paper is None else (" / ".join(f"{d:+.4f}" for d in paper.deltas) or "none reported") + \
-        f" ({paper.source})"
 
 
 def _provenance(folder: Path) -> dict:
@@ -210,7 +210,7 @@ def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool
     provenance, files = _provenance(Path(folder)), sorted(Path(folder).glob("*.cpu.json"))
     table = to_markdown([line for f in files for line in build_table(
         [r for r in read_rows(f) if not r["metric"].startswith("dev_")], provenance.get(f.name, {}).get("commit", ""))])
-    times = [f"{f.name[:2]} {p['seconds'] / 60:.0f} min on {p['cores']} cores" for f in files
+    times = [f"{f.name.partition('.')[0]} {p['seconds'] / 60:.0f} min on {p['cores']} cores" for f in files
              if (p := provenance.get(f.name, {})).get("seconds")]
     table += f"\nMeasured wall time of each run: {', '.join(times)}\n"
     text = Path(readme).read_text()

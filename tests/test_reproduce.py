@@ -31,6 +31,7 @@ PLOTTING = HEADER + """
 n = 3
 profile = "ci"
 output_dir = "../runs/02_plot"
+seeds = [0, 1]
 
 # %% tags=["figure:line"]
 import matplotlib.pyplot as plt
@@ -39,7 +40,7 @@ plt.plot([0, n])
 plt.show()
 rows = [result_row(experiment=name, arm=arm, seed=seed, metric="score", value=n + seed + (arm == "gcbs"),
                    profile=profile, data="planted", model="none")
-        for name in ("toy", "other") for arm in ("random", "gcbs") for seed in (0, 1)]
+        for name in ("toy", "other") for arm in ("random", "gcbs") for seed in seeds]
 record(rows, "02_plot")
 
 # %%
@@ -50,8 +51,8 @@ plt.show()
 
 @pytest.fixture(scope="module")
 def toy_notebooks(tmp_path_factory):
-    """01_fail (divides by zero in its second cell) and 02_plot (an output_dir, two figures, eight result rows of
-    two experiments)."""
+    """01_fail (divides by zero in its second cell) and 02_plot (an output_dir, two figures, result rows of two
+    experiments and two arms for each of its seeds)."""
     folder = tmp_path_factory.mktemp("notebooks")
     for name, text in (("01_fail", FAILING), ("02_plot", PLOTTING)):
         nbformat.write(jupytext.reads(text, fmt="py:percent"), folder / f"{name}.ipynb")
@@ -180,3 +181,26 @@ def test_a_usage_mistake_prints_an_error_without_a_traceback_exits_2_and_writes_
     assert re.search(r"^python -m gcbs_lib.reproduce: error: \S", err, re.MULTILINE)
     if mistake[0] == "--output-dir":
         assert f"{tmp_path / 'a-file'} is a file" in err
+
+
+def test_seeds_run_in_separate_invocations_add_up_only_at_the_same_commit_and_settings(toy_notebooks, tmp_path,
+                                                                                        capsys, monkeypatch):
+    monkeypatch.setattr(reproduce, "NOTEBOOKS", toy_notebooks)
+    monkeypatch.setattr(reproduce, "current_commit", lambda: "abc1234")
+
+    def invocation(*args):
+        assert run(capsys, "--only", "02", "--output-dir", tmp_path, *args)[0] == 0
+        rows = read_rows(tmp_path / "results" / "02_plot.json")
+        return sorted({r["seed"] for r in rows}), len(rows), json.loads((tmp_path / "run.json").read_text())
+
+    _, _, first = invocation("-p", "seeds", "[0, 1]")
+    seeds, n_rows, second = invocation("-p", "seeds", "[2]")
+    assert seeds == [0, 1, 2] and n_rows == 12
+    assert second["command"] == f"{first['command']} && python -m gcbs_lib.reproduce --only 02 --output-dir " \
+                                f"{tmp_path} -p seeds '[2]'"
+    seconds = [record["notebooks"]["02_plot"]["seconds"] for record in (first, second)]
+    assert seconds[1] > 1.5 * seconds[0]  # its own kernel's seconds and the first's
+    assert "(n=3)" in (tmp_path / "results.md").read_text()
+    assert invocation("-p", "seeds", "[2]", "-p", "n", "4")[:2] == ([2], 4)  # other settings: never pooled
+    monkeypatch.setattr(reproduce, "current_commit", lambda: "abc1234+dirty")
+    assert invocation("-p", "seeds", "[3]", "-p", "n", "4")[:2] == ([3], 4)  # uncommitted code: never pooled

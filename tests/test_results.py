@@ -144,7 +144,7 @@ def test_collect_copies_the_rows_of_notebooks_that_ran_with_their_provenance_and
     assert update_readme(readme, committed, check=True)
     text = readme.read_text()
     assert "| codesearch | test_mrr |" in text and "| abc1234 |" in text and "gcbs_sampling" not in text
-    assert "Measured wall time of each run: 04 0 min on 2 cores\n" in text
+    assert "Measured wall time of each run: 04_gcbs_codesearch 0 min on 2 cores\n" in text
     assert text.endswith(f"{results.README_END}\n\nafter\n") and "stale" not in text
 
 
