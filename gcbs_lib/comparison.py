@@ -5,7 +5,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from gcbs_lib.distributed import launch
-from gcbs_lib.results import build_table, half_width, to_markdown
+from gcbs_lib.results import COMMITTED, build_table, half_width, read_rows, to_markdown
 from gcbs_lib.train import Trainer, load_config, train
 
 
@@ -45,6 +45,12 @@ def pilot_plan(sd_paired_delta: float, seconds_per_seed: float, budget_minutes: 
     return half
 
 
+def committed_deltas(name: str, metric: str, arm: str = "gcbs") -> list[float]:
+    """(arm − random) on `metric`, seed by seed, in the committed cpu-profile rows `results/<name>.cpu.json`."""
+    value = {(r["arm"], r["seed"]): r["value"] for r in read_rows(COMMITTED / f"{name}.cpu.json") if r["metric"] == metric}
+    return [value[arm, s] - value["random", s] for s in sorted({s for a, s in value if a == arm})]
+
+
 def rows_of(summaries: dict) -> list[dict]:
     """Every run's result rows, run after run."""
     return [row for summary in summaries.values() for row in summary["rows"]]
@@ -57,7 +63,8 @@ class MarkdownTable(str):
 
 def arms_table(summaries, stand_in="not the paper's data") -> dict:
     """Show the table of the runs' test rows (start, random, each arm, Δ against random paired by seed with its
-    95 % interval, the paper's Δ, the verdict); return its lines with a Δ, keyed "arm/metric"."""
+    95 % interval, the paper's Δ, the verdict) and the random arm's gain over the start; return its lines with a
+    Δ, keyed "arm/metric"."""
     from IPython.display import display
 
     rows = rows_of(summaries)
@@ -67,6 +74,10 @@ def arms_table(summaries, stand_in="not the paper's data") -> dict:
         print("ci profile, a smoke test: these numbers mean nothing about GCBS")
     lines = [line for line in build_table(rows) if line.metric.startswith("test_")]
     display(MarkdownTable(to_markdown(lines)))
+    moved = {line.metric[5:]: line for line in lines if line.start and line.random}  # one per metric
+    if moved:
+        print("training moved the model, random − start (sd over seeds): " + ", ".join(
+            f"{m} {line.random.mean - line.start.mean:+.4f} ({line.random.sd or 0:.4f})" for m, line in moved.items()))
     return {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
 
 

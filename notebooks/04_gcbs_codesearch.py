@@ -54,6 +54,7 @@ output_dir = "../runs/04_gcbs_codesearch"   # one folder per run; a finished run
 
 # %%
 import inspect
+import statistics
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -62,7 +63,8 @@ import torch.nn.functional as F
 
 from gcbs_lib import experiments
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import arm_configs, arms_table, pilot_plan, plot_deltas, plot_over_seeds, rows_of, run_arms
+from gcbs_lib.comparison import (arm_configs, arms_table, committed_deltas, pilot_plan, plot_deltas, plot_over_seeds,
+                                 rows_of, run_arms)
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import gcbs_batches
 from gcbs_lib.results import record
@@ -182,7 +184,9 @@ groups_apart = mixed["gcbs"] == 0
 # measurement, not a verdict.
 
 # %%
-PILOT_SD, PILOT_SECONDS = 0.0044, 1458  # the pilot: sd of the two paired Δ, seconds per seed (both arms)
+pilot = committed_deltas("04_gcbs_codesearch", "test_mrr")[:2]  # the committed run's seeds 0 and 1
+PILOT_SD, PILOT_SECONDS = statistics.stdev(pilot), 1458  # seconds a seed, both arms (the run's log)
+print(f"pilot Δ {pilot[0]:+.4f}, {pilot[1]:+.4f}: s_Δ = {PILOT_SD:.4f}")
 half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS, budget_minutes=180)
 
 # %% [markdown]
@@ -219,9 +223,6 @@ summaries = run_arms("codesearch", profile, arms, seeds, runs, settings, nproc=n
 # %%
 delta = arms_table(summaries, stand_in="docstring → function pairs of the Python standard library, not the "
                                       "paper's datasets")
-line = delta["gcbs/test_mrr"]
-print(f"training moved the model: random − start = {line.random.mean - line.start.mean:+.4f} "
-      f"(sd over seeds {line.random.sd or 0:.4f})")
 
 # %% [markdown]
 # ## Dev MRR during training, and the loss gap each arm trains with

@@ -167,8 +167,6 @@ deltas = arms_table(summaries, stand_in="NOT STS")
 rows = rows_of(summaries)
 record(rows, "05_gcbs_simcse")
 line = deltas["gcbs/test_spearman"]
-gain = line.random.mean - line.start.mean
-print(f"training moved the model: random − start = {gain:+.4f} (sd over seeds {line.random.sd or 0:.4f})")
 print(f"verdict on test Spearman: {line.verdict}")
 
 # %% [markdown]

@@ -42,18 +42,20 @@ output_dir = "../runs/06_gcbs_promcse"  # one folder per run; a finished run is 
 
 # %%
 import inspect
+import json
+import statistics
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import (arms_table, first_gap_no_larger, pilot_plan, plot_deltas, plot_over_seeds, rows_of,
-                                 run_arms)
+from gcbs_lib.comparison import (arms_table, committed_deltas, first_gap_no_larger, pilot_plan, plot_deltas,
+                                 plot_over_seeds, rows_of, run_arms)
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.prefix import PrefixPromptedEncoder
-from gcbs_lib.results import paper_delta, record
+from gcbs_lib.results import COMMITTED, paper_delta, record
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("promcse", "gcbs", "test_spearman")  # +0.27 STS points
@@ -133,7 +135,7 @@ print(cmp_table(gradcache_checks))
 # pilot ran seed 0 of this profile's settings, both arms (commit 9c73df4, 375 s on 2 cores): 265 steps; dev
 # Spearman −0.057 at the start, the random arm's best −0.025 (step 25), GCBS's −0.016 (step 200); test 0.027
 # (random) and 0.032 (GCBS). One seed gives no $s_\Delta$, so the profile took the minimum, five seeds
-# (≈ 33 min). A five-seed run of this profile (commit 178f876, 1,953 s on 2 idle cores) measured it:
+# (≈ 33 min). The committed five-seed run (README table, commit 8ee3bea, 2,108 s on 2 idle cores) measured it:
 #
 # | test Spearman | start | random | GCBS | Δ [95 % CI] |
 # |---|---|---|---|---|
@@ -144,12 +146,15 @@ print(cmp_table(gradcache_checks))
 # whose prompt moves the scores of a stand-in near chance (0.02 → 0.03), where seeds differ only in the prompt's
 # initialisation, the batch order and dropout, so the spread is tiny and a small Δ resolves. The random arm's
 # best dev comes at step 25 on every seed and falls after; GCBS's keeps rising to steps 100–250. It says nothing
-# yet about STS (the `paper` profile). With that run's $s_\Delta$:
+# yet about STS (the `paper` profile). With that run's $s_\Delta$ and time, read from its committed rows:
 
 # %%
-PILOT_SD, PILOT_SECONDS = 0.00022, 1953 / 5  # the five-seed run: sd of the paired Δ, seconds per seed
+paired = committed_deltas("06_gcbs_promcse", "test_spearman")  # the committed run's Δ, seed by seed
+made = json.loads((COMMITTED / "provenance.json").read_text())["06_gcbs_promcse.cpu.json"]
+PILOT_SD, PILOT_SECONDS = statistics.stdev(paired), made["seconds"] / len(paired)
+print(f"s_Δ = {PILOT_SD:.5f} over {len(paired)} seeds, {PILOT_SECONDS:.0f} s a seed; the paper's Δ "
+      f"{PAPER.deltas[0]:+.4f}")
 half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
-print(f"the paper's Δ: {PAPER.deltas[0]:+.4f}")
 
 # %% [markdown]
 # ## 5 · Random vs GCBS batches
@@ -171,8 +176,6 @@ deltas = arms_table(summaries, stand_in="NOT STS")
 rows = rows_of(summaries)
 record(rows, "06_gcbs_promcse")
 line = deltas["gcbs/test_spearman"]
-print(f"training moved the model: random − start = {line.random.mean - line.start.mean:+.4f} "
-      f"(sd over seeds {line.random.sd or 0:.4f})")
 print(f"verdict on test Spearman: {line.verdict}")
 
 # %% [markdown]

@@ -216,8 +216,7 @@ lines = arms_table(summaries, stand_in="NOT CIFAR-10")  # the GCBS paper gives n
 rows = rows_of(summaries)
 record(rows, "08_gcbs_moco")
 line = lines["gcbs/test_knn_accuracy"]
-print(f"training moved the model: random − start = {line.random.mean - line.start.mean:+.4f} "
-      f"(sd over seeds {line.random.sd or 0:.4f}); verdict: {line.verdict}")
+print(f"verdict: {line.verdict}")
 
 # %% [markdown]
 # ## 8 · kNN accuracy, the loss gap, and Δ
