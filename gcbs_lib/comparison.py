@@ -5,7 +5,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from gcbs_lib.distributed import launch
-from gcbs_lib.results import COMMITTED, build_table, half_width, read_rows, to_markdown
+from gcbs_lib.results import build_table, half_width, to_markdown
 from gcbs_lib.train import Trainer, load_config, train
 
 
@@ -43,12 +43,6 @@ def pilot_plan(sd_paired_delta: float, seconds_per_seed: float, budget_minutes: 
         minutes = n * seconds_per_seed / 60
         print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{'' if minutes <= budget_minutes else ' (over budget)'}")
     return half
-
-
-def committed_deltas(name: str, metric: str, arm: str = "gcbs") -> list[float]:
-    """(arm − random) on `metric`, seed by seed, in the committed cpu-profile rows `results/<name>.cpu.json`."""
-    value = {(r["arm"], r["seed"]): r["value"] for r in read_rows(COMMITTED / f"{name}.cpu.json") if r["metric"] == metric}
-    return [value[arm, s] - value["random", s] for s in sorted({s for a, s in value if a == arm})]
 
 
 def rows_of(summaries: dict) -> list[dict]:

@@ -7,8 +7,8 @@ A notebook's `output_dir` (where it trains) is DIR/work/<notebook> unless `-p ou
 DIR gets the executed notebooks, `figures/` (PNGs named <notebook>_<name> by a cell tag `figure:<name>`, else
 <notebook>_in<execution count>), `results/` (the rows notebooks `record`), and `results.md`
 (their table), and `run.json` (what ran, how, how long). A DIR used before at the same clean commit keeps the
-rows of each notebook run again with the same parameters but `seeds`: seeds may run in separate invocations, and
-their rows and seconds add up. Otherwise its earlier rows and figures go."""
+rows of each notebook run again with the same parameters but `seeds`, so seeds may run in separate invocations:
+rows and seconds (all spent there, retries too) add up; figures show the last invocation. Else its rows go."""
 import argparse
 import ast
 import base64
@@ -135,17 +135,21 @@ def main(argv: list[str] | None = None) -> int:
            "load_average": round(os.getloadavg()[0], 1),  # other work on the machine slows what notebooks time
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "notebooks": {}}
     earlier = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {"notebooks": {}}
-    same_code = "+dirty" not in run["commit"] and run["commit"] == earlier.get("commit")
-    kept = {p.stem: n for p, parameters in plans.items() if same_code and (n := earlier["notebooks"].get(p.stem))
+    same_code = run["commit"] == earlier.get("commit") and not ("+dirty" in run["commit"] or args.prepare_only
+                                                                or run["commit"] == "unknown")
+    kept = {p.stem: n for p, parameters in plans.items()
+            if same_code and (n := earlier["notebooks"].get(p.stem, {})).get("status") in ("ok", "failed")
             and {**n["parameters"], "seeds": None} == {**parameters, "seeds": None}}  # seeds may differ
-    for stale in {*out.glob("results/*.json"), *out.glob("figures/*")} - {out / f"results/{s}.json" for s in kept}:
-        stale.unlink()  # a folder used before keeps the rows of the notebooks run again at its commit and settings
-    (out / "figures").mkdir(parents=True, exist_ok=True)
-    run["command"] = f"{earlier['command']} && {run['command']}" if kept else run["command"]  # rows add up
+    shutil.rmtree(out / "figures", ignore_errors=True)  # a folder used before: its figures go, and its rows
+    for stale in set(out.glob("results/*.json")) - {out / f"results/{s}.json" for s in kept}:  # unless kept
+        stale.unlink()
+    (out / "figures").mkdir(parents=True)
+    run["command"] = f"{earlier['command']} && {run['command']}" if kept else run["command"]
+    run["notebooks"] = dict(kept)  # each until it runs again: a stop midway loses no rows
     with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):
         for notebook, parameters in plans.items():
             run["notebooks"][notebook.stem] = outcome = execute(notebook, parameters, out, args.prepare_only)
-            outcome["seconds"] += kept.get(notebook.stem, {}).get("seconds", 0)  # with the earlier invocations'
+            outcome["seconds"] = round(outcome["seconds"] + kept.get(notebook.stem, {}).get("seconds", 0), 1)
             print(f"{outcome['status']:>8}  {notebook.stem}  {outcome['seconds']:.0f} s  {outcome['error']}")
             write_text_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
             if args.fail_fast and outcome["status"] == "failed":

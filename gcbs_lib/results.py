@@ -60,7 +60,7 @@ def record(rows: list[dict], name: str) -> Path | None:
     if not (folder := os.environ.get(RESULTS_DIR_VARIABLE)):
         return None
     path, key = Path(folder) / f"{name}.json", lambda row: (row["experiment"], row["arm"], row["seed"], row["metric"])
-    new = {key(row) for row in rows}
+    new = {key(check_row(row)) for row in rows}
     return write_rows(path, [r for r in (read_rows(path) if path.exists() else []) if key(r) not in new] + rows)
 
 
@@ -79,9 +79,10 @@ PAPER_DELTAS = (
 
 Summary = namedtuple("Summary", "mean sd n")  # of one arm's values over seeds (sd None for one seed)
 # One (experiment, metric, arm): the untrained start, random, the arm; the paired Δ (arm − random) with its 95 %
-# t-interval [low, high] over seeds both ran, the paper's Δ (a PaperDelta or None) and the computed verdict.
+# t-interval [low, high] over seeds both ran, the paper's Δ (a PaperDelta or None), the computed verdict, and the
+# paired differences themselves (seed by seed).
 TableLine = namedtuple("TableLine", "experiment metric arm model data profile start random kit delta low high paper "
-                                    "verdict commit")
+                                    "verdict commit differences")
 
 
 def summarize(values: list[float]) -> Summary | None:
@@ -152,7 +153,8 @@ def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
             lines.append(TableLine(experiment, metric, arm, model, data, profile, summarize(list(start.values())),
                                    summarize(list(random.values())), summarize(list(values.values())),
                                    statistics.fmean(differences) if differences else None, low, high, paper,
-                                   verdict(arm, metric, low, high, paper) if differences else "", commit))
+                                   verdict(arm, metric, low, high, paper) if differences else "", commit,
+                                   differences))
     return lines
 
 

@@ -63,11 +63,10 @@ import torch.nn.functional as F
 
 from gcbs_lib import experiments
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import (arm_configs, arms_table, committed_deltas, pilot_plan, plot_deltas, plot_over_seeds,
-                                 rows_of, run_arms)
+from gcbs_lib.comparison import arm_configs, arms_table, pilot_plan, plot_deltas, plot_over_seeds, rows_of, run_arms
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import gcbs_batches
-from gcbs_lib.results import record
+from gcbs_lib.results import COMMITTED, build_table, read_rows, record
 from gcbs_lib.seeding import generator
 
 # %%
@@ -184,7 +183,8 @@ groups_apart = mixed["gcbs"] == 0
 # measurement, not a verdict.
 
 # %%
-pilot = committed_deltas("04_gcbs_codesearch", "test_mrr")[:2]  # the committed run's seeds 0 and 1
+committed = build_table(read_rows(COMMITTED / "04_gcbs_codesearch.cpu.json"))  # the README's lines of the run
+pilot = next(line for line in committed if line.metric == "test_mrr").differences[:2]  # its seeds 0 and 1
 PILOT_SD, PILOT_SECONDS = statistics.stdev(pilot), 1458  # seconds a seed, both arms (the run's log)
 print(f"pilot Δ {pilot[0]:+.4f}, {pilot[1]:+.4f}: s_Δ = {PILOT_SD:.4f}")
 half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS, budget_minutes=180)

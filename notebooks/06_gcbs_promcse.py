@@ -50,12 +50,12 @@ import matplotlib.pyplot as plt
 import torch
 
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import (arms_table, committed_deltas, first_gap_no_larger, pilot_plan, plot_deltas,
-                                 plot_over_seeds, rows_of, run_arms)
+from gcbs_lib.comparison import (arms_table, first_gap_no_larger, pilot_plan, plot_deltas, plot_over_seeds, rows_of,
+                                 run_arms)
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.prefix import PrefixPromptedEncoder
-from gcbs_lib.results import COMMITTED, paper_delta, record
+from gcbs_lib.results import COMMITTED, build_table, paper_delta, read_rows, record
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("promcse", "gcbs", "test_spearman")  # +0.27 STS points
@@ -149,7 +149,8 @@ print(cmp_table(gradcache_checks))
 # yet about STS (the `paper` profile). With that run's $s_\Delta$ and time, read from its committed rows:
 
 # %%
-paired = committed_deltas("06_gcbs_promcse", "test_spearman")  # the committed run's Δ, seed by seed
+committed = build_table(read_rows(COMMITTED / "06_gcbs_promcse.cpu.json"))  # the README's lines of the run
+paired = next(line for line in committed if line.metric == "test_spearman").differences  # its Δ, seed by seed
 made = json.loads((COMMITTED / "provenance.json").read_text())["06_gcbs_promcse.cpu.json"]
 PILOT_SD, PILOT_SECONDS = statistics.stdev(paired), made["seconds"] / len(paired)
 print(f"s_Δ = {PILOT_SD:.5f} over {len(paired)} seeds, {PILOT_SECONDS:.0f} s a seed; the paper's Δ "

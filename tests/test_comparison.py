@@ -4,11 +4,9 @@ helpers on hand-made run summaries."""
 import pytest
 import torch
 
-from gcbs_lib import comparison
 from gcbs_lib.comparison import (arm_configs, arms_table, first_gap_no_larger, plot_deltas, plot_over_seeds, rows_of,
                                  run_arms)
 from gcbs_lib.distributed import LaunchError
-from gcbs_lib.results import write_rows
 from gcbs_lib.train import load_checkpoint
 
 
@@ -63,6 +61,7 @@ def test_arms_table_pairs_each_arm_with_random_by_seed_and_names_the_stand_in(ca
     assert list(lines) == ["gcbs/test_spearman"]
     gcbs = lines["gcbs/test_spearman"]  # paired differences +0.06 and +0.02
     assert (gcbs.delta, gcbs.kit.n, gcbs.paper.deltas) == (pytest.approx(0.04), 2, (0.0103,))
+    assert gcbs.differences == pytest.approx([0.06, 0.02])  # seed by seed
     printed = capsys.readouterr().out
     assert "NOT STS" in printed and "gensim-testdata-not-sts" in printed
     assert "| +0.04 [-0.2141, +0.2941] | +0.0103 (STS avg" in printed and "| not resolved; paper Δ inside" in printed
@@ -72,14 +71,6 @@ def test_arms_table_pairs_each_arm_with_random_by_seed_and_names_the_stand_in(ca
     arms_table(with_start)
     assert "training moved the model, random − start (sd over seeds): spearman +0.1500 (0.0707)" in \
         capsys.readouterr().out
-
-
-def test_committed_deltas_pair_an_arm_with_random_seed_by_seed_in_the_committed_rows(tmp_path, monkeypatch):
-    rows = [r for s in SUMMARIES.values() for r in s["rows"]]
-    rows += [{**rows[0], "metric": "dev_spearman", "value": 9.0}]  # another metric: ignored
-    monkeypatch.setattr(comparison, "COMMITTED", tmp_path)
-    write_rows(tmp_path / "05_gcbs_simcse.cpu.json", rows)
-    assert comparison.committed_deltas("05_gcbs_simcse", "test_spearman") == pytest.approx([0.06, 0.02])
 
 
 def test_plot_over_seeds_draws_the_seed_means_per_arm():

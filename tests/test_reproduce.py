@@ -187,20 +187,24 @@ def test_seeds_run_in_separate_invocations_add_up_only_at_the_same_commit_and_se
                                                                                         capsys, monkeypatch):
     monkeypatch.setattr(reproduce, "NOTEBOOKS", toy_notebooks)
     monkeypatch.setattr(reproduce, "current_commit", lambda: "abc1234")
+    executed = reproduce.execute
+    monkeypatch.setattr(reproduce, "execute", lambda *args: {**executed(*args), "seconds": 10.0})  # 10 s a notebook
 
-    def invocation(*args):
-        assert run(capsys, "--only", "02", "--output-dir", tmp_path, *args)[0] == 0
+    def invocation(*args, status=0):
+        assert run(capsys, "--output-dir", tmp_path, *args)[0] == status
         rows = read_rows(tmp_path / "results" / "02_plot.json")
-        return sorted({r["seed"] for r in rows}), len(rows), json.loads((tmp_path / "run.json").read_text())
+        record = json.loads((tmp_path / "run.json").read_text())
+        return sorted({r["seed"] for r in rows}), len(rows), record["notebooks"]["02_plot"]["seconds"], record
 
-    _, _, first = invocation("-p", "seeds", "[0, 1]")
-    seeds, n_rows, second = invocation("-p", "seeds", "[2]")
-    assert seeds == [0, 1, 2] and n_rows == 12
-    assert second["command"] == f"{first['command']} && python -m gcbs_lib.reproduce --only 02 --output-dir " \
-                                f"{tmp_path} -p seeds '[2]'"
-    seconds = [record["notebooks"]["02_plot"]["seconds"] for record in (first, second)]
-    assert seconds[1] > 1.5 * seconds[0]  # its own kernel's seconds and the first's
-    assert "(n=3)" in (tmp_path / "results.md").read_text()
-    assert invocation("-p", "seeds", "[2]", "-p", "n", "4")[:2] == ([2], 4)  # other settings: never pooled
-    monkeypatch.setattr(reproduce, "current_commit", lambda: "abc1234+dirty")
-    assert invocation("-p", "seeds", "[3]", "-p", "n", "4")[:2] == ([3], 4)  # uncommitted code: never pooled
+    first = invocation("--only", "02", "-p", "seeds", "[0, 1]")[3]
+    seeds, n_rows, seconds, second = invocation("--only", "02", "-p", "seeds", "[2]")
+    assert (seeds, n_rows, seconds) == ([0, 1, 2], 12, 20.0) and "(n=3)" in (tmp_path / "results.md").read_text()
+    assert second["command"] == f"{first['command']} && python -m gcbs_lib.reproduce --output-dir {tmp_path} " \
+                                "--only 02 -p seeds '[2]'"
+    assert invocation("--only", "01", "02", "--fail-fast", "-p", "seeds", "[3]", status=1)[:3] == ([0, 1, 2], 12, 20.0)
+    assert invocation("--only", "02", "-p", "seeds", "[3]")[:3] == ([0, 1, 2, 3], 16, 30.0)  # a stop lost no rows
+    assert invocation("--only", "02", "-p", "seeds", "[4]", "-p", "n", "4")[:3] == ([4], 4, 10.0)  # other settings
+    for commit in ("abc1234+dirty", "unknown"):  # code that no commit pins: never pooled, not even with itself
+        monkeypatch.setattr(reproduce, "current_commit", lambda: commit)
+        for seed in (5, 6):
+            assert invocation("--only", "02", "-p", "seeds", f"[{seed}]", "-p", "n", "4")[:3] == ([seed], 4, 10.0)
