@@ -130,22 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     for notebook, parameters in plans.items():  # its training runs stay in this run's folder
         if "output_dir" in notebooks[notebook] and "output_dir" not in overrides:
             parameters["output_dir"] = str((out / "work" / notebook.stem).resolve())
-    run = {"command": "python -m gcbs_lib.reproduce " + shlex.join(sys.argv[1:] if argv is None else argv),
-           "commit": current_commit(), "profile": args.profile, "cores": os.cpu_count(),
-           "load_average": round(os.getloadavg()[0], 1),  # other work on the machine slows what notebooks time
-           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "notebooks": {}}
-    earlier = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {"notebooks": {}}
-    same_code = run["commit"] == earlier.get("commit") and not ("+dirty" in run["commit"] or args.prepare_only
-                                                                or run["commit"] == "unknown")
-    kept = {p.stem: n for p, parameters in plans.items()
-            if same_code and (n := earlier["notebooks"].get(p.stem, {})).get("status") in ("ok", "failed")
+    command = "python -m gcbs_lib.reproduce " + shlex.join(sys.argv[1:] if argv is None else argv)
+    commit = current_commit()
+    pinned = not args.prepare_only and "+dirty" not in commit and commit != "unknown"  # code a commit names
+    earlier = json.loads((out / "run.json").read_text()) if pinned and (out / "run.json").exists() else {}
+    kept = {p.stem: n for p, parameters in plans.items() if earlier.get("commit") == commit
+            and (n := earlier["notebooks"].get(p.stem, {})).get("status") in ("ok", "failed")
             and {**n["parameters"], "seeds": None} == {**parameters, "seeds": None}}  # seeds may differ
     shutil.rmtree(out / "figures", ignore_errors=True)  # a folder used before: its figures go, and its rows
     for stale in set(out.glob("results/*.json")) - {out / f"results/{s}.json" for s in kept}:  # unless kept
         stale.unlink()
     (out / "figures").mkdir(parents=True)
-    run["command"] = f"{earlier['command']} && {run['command']}" if kept else run["command"]
-    run["notebooks"] = dict(kept)  # each until it runs again: a stop midway loses no rows
+    run = {"command": f"{earlier['command']} && {command}" if kept else command, "commit": commit,
+           "profile": args.profile, "cores": os.cpu_count(), "notebooks": dict(kept),  # kept: until each runs again
+           "load_average": round(os.getloadavg()[0], 1),  # other work on the machine slows what notebooks time
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):
         for notebook, parameters in plans.items():
             run["notebooks"][notebook.stem] = outcome = execute(notebook, parameters, out, args.prepare_only)

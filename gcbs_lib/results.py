@@ -186,34 +186,35 @@ def to_markdown(lines: list[TableLine]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _provenance(folder: Path) -> dict:
-    return json.loads((folder / "provenance.json").read_text()) if (folder / "provenance.json").exists() else {}
+def provenance(folder: str | Path = COMMITTED) -> dict:
+    """How each committed rows file was made: `{file name: {command, commit, date, seconds, cores, load_average}}`."""
+    return json.loads(path.read_text()) if (path := Path(folder, "provenance.json")).exists() else {}
 
 
 def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
     """Copy the rows of a runner folder's notebooks that ran to the end into `folder`, as
     `<notebook>.<profile>.json`, noting in its provenance.json how they were made."""
     run_dir, folder = Path(run_dir), Path(folder)
-    run, provenance, written = json.loads((run_dir / "run.json").read_text()), _provenance(folder), []
+    run, made, written = json.loads((run_dir / "run.json").read_text()), provenance(folder), []
     for source in sorted((run_dir / "results").glob("*.json")):
         if run["notebooks"].get(source.stem, {}).get("status") == "ok":
             written.append(write_rows(folder / f"{source.stem}.{run['profile']}.json", read_rows(source)))
-            provenance[written[-1].name] = {"date": run["started"], "seconds": run["notebooks"][source.stem]["seconds"],
+            made[written[-1].name] = {"date": run["started"], "seconds": run["notebooks"][source.stem]["seconds"],
                                             **{k: run[k] for k in ("command", "commit", "cores", "load_average")}}
     if not written:
         raise ValueError(f"{run_dir / 'results'} holds no rows of a notebook that ran to the end")
-    write_text_atomic(folder / "provenance.json", json.dumps(provenance, indent=1, sort_keys=True) + "\n")
+    write_text_atomic(folder / "provenance.json", json.dumps(made, indent=1, sort_keys=True) + "\n")
     return written
 
 
 def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool = False) -> bool:
     """Rewrite the README's table (between its markers) of the committed `*.cpu.json` rows at the commit that made
     each file, without dev metrics, and each run's measured time; with `check`, only compare. True if current."""
-    provenance, files = _provenance(Path(folder)), sorted(Path(folder).glob("*.cpu.json"))
+    made, files = provenance(folder), sorted(Path(folder).glob("*.cpu.json"))
     table = to_markdown([line for f in files for line in build_table(
-        [r for r in read_rows(f) if not r["metric"].startswith("dev_")], provenance.get(f.name, {}).get("commit", ""))])
+        [r for r in read_rows(f) if not r["metric"].startswith("dev_")], made.get(f.name, {}).get("commit", ""))])
     times = [f"{f.name.partition('.')[0]} {p['seconds'] / 60:.0f} min on {p['cores']} cores" for f in files
-             if (p := provenance.get(f.name, {})).get("seconds")]
+             if (p := made.get(f.name, {})).get("seconds")]
     table += f"\nMeasured wall time of each run: {', '.join(times)}\n"
     text = Path(readme).read_text()
     if text.count(README_START) != 1 or text.count(README_END) != 1:

@@ -42,7 +42,6 @@ output_dir = "../runs/06_gcbs_promcse"  # one folder per run; a finished run is 
 
 # %%
 import inspect
-import json
 import statistics
 from pathlib import Path
 
@@ -55,7 +54,7 @@ from gcbs_lib.comparison import (arms_table, first_gap_no_larger, pilot_plan, pl
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.prefix import PrefixPromptedEncoder
-from gcbs_lib.results import COMMITTED, build_table, paper_delta, read_rows, record
+from gcbs_lib.results import COMMITTED, build_table, paper_delta, provenance, read_rows, record
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("promcse", "gcbs", "test_spearman")  # +0.27 STS points
@@ -151,7 +150,7 @@ print(cmp_table(gradcache_checks))
 # %%
 committed = build_table(read_rows(COMMITTED / "06_gcbs_promcse.cpu.json"))  # the README's lines of the run
 paired = next(line for line in committed if line.metric == "test_spearman").differences  # its Δ, seed by seed
-made = json.loads((COMMITTED / "provenance.json").read_text())["06_gcbs_promcse.cpu.json"]
+made = provenance()["06_gcbs_promcse.cpu.json"]  # how the run was made: command, commit, seconds, cores
 PILOT_SD, PILOT_SECONDS = statistics.stdev(paired), made["seconds"] / len(paired)
 print(f"s_Δ = {PILOT_SD:.5f} over {len(paired)} seeds, {PILOT_SECONDS:.0f} s a seed; the paper's Δ "
       f"{PAPER.deltas[0]:+.4f}")
