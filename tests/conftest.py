@@ -4,6 +4,7 @@ import random
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -19,6 +20,18 @@ def float64_default():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+def child_command_lines(pid: int | None = None) -> list[list[str]]:
+    """The command lines of a process's descendants (default: this one's) that are still running; a child that
+    exits while they are listed (gone, or a zombie) is left out."""
+    lines = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            lines.append(child.cmdline())
+        except psutil.NoSuchProcess:  # a ZombieProcess is one
+            pass
+    return lines
 
 
 WORDS = [f"w{i}" for i in range(120)]

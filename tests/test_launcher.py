@@ -2,10 +2,10 @@
 with its traceback, nothing left running. The targets are functions of this module (children import it by name)."""
 import time
 
-import psutil
 import pytest
 import torch.distributed as dist
 
+from conftest import child_command_lines
 from gcbs_lib.distributed import LaunchError, launch, rank_and_world_size
 
 
@@ -24,9 +24,10 @@ def misbehave(how: str) -> None:
     dist.barrier()
 
 
-def ranks_left() -> list[psutil.Process]:
-    """This process's children but multiprocessing's resource tracker (it lives as long as this process)."""
-    return [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+def ranks_left() -> list[list[str]]:
+    """The command lines of this process's running children but multiprocessing's resource tracker (it lives as
+    long as this process)."""
+    return [command for command in child_command_lines() if "resource_tracker" not in " ".join(command)]
 
 
 def test_launch_returns_rank_zeros_result_and_echoes_every_ranks_output(capsys):

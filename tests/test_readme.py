@@ -22,9 +22,10 @@ from pathlib import Path
 
 import nbformat
 import papermill
-import psutil
 import pytest
 import yaml
+
+from conftest import child_command_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -178,14 +179,6 @@ def get(url, data=None, method="GET"):
         return json.loads(response.read() or b"null")
 
 
-def command_line(process):
-    """A process's command line, or [] for one that has exited (a zombie or gone) since it was listed."""
-    try:
-        return process.cmdline()
-    except psutil.NoSuchProcess:  # a ZombieProcess is one
-        return []
-
-
 @runs("make lab")
 def test_make_lab_serves_the_notebooks_with_jupytext_pairing_and_the_venv_kernel():
     port, token = free_port(), secrets.token_hex(8)
@@ -213,8 +206,7 @@ def test_make_lab_serves_the_notebooks_with_jupytext_pairing_and_the_venv_kernel
         assert "tags=[\"parameters\"]" in (scratch / "paired.py").read_text()  # saving wrote both files
         assert (scratch / "paired.ipynb").exists()
         kernel = get(f"{api}/kernels?token={token}", {"name": "python3"}, "POST")
-        kernels = [command for command in map(command_line, psutil.Process(lab.pid).children(recursive=True))
-                   if "ipykernel_launcher" in " ".join(command)]
+        kernels = [command for command in child_command_lines(lab.pid) if "ipykernel_launcher" in " ".join(command)]
         assert kernels and Path(kernels[0][0]).parent == ROOT / ".venv" / "bin"  # the venv's Python
         get(f"{api}/kernels/{kernel['id']}?token={token}", method="DELETE")
     finally:
