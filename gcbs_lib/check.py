@@ -1,7 +1,9 @@
 """Checks. Visible verification, as nn-zero-to-hero's `cmp`: `compare(name, ours, reference)` measures one pair
 (bitwise equality; ‖Δ‖/‖ref‖, the norm-wise relative error of the whole tensor, not `torch.allclose`'s element-wise
-test; whether it is within the tolerance), `cmp_table(rows)` formats many. Input checks: `require`."""
+test; whether it is within the tolerance), `cmp_table(rows)` formats many. Input checks: `require`, `read_json`."""
+import json
 from collections import namedtuple
+from pathlib import Path
 
 import torch
 
@@ -14,6 +16,14 @@ def require(condition, message: str) -> None:
     """Raise ValueError(message) unless `condition`: how public functions refuse bad input."""
     if not condition:
         raise ValueError(message)
+
+
+def read_json(path: str | Path, text: str | None = None, hint: str = ""):
+    """The value in a JSON file, or in `text` read from `path` (e.g. "file:line"); a ValueError names the place."""
+    try:
+        return json.loads(Path(path).read_text() if text is None else text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}){hint}") from None
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:

@@ -1,11 +1,10 @@
 """Samplers compared on the same seeds (random vs GCBS batches): score the start, train each (arm, seed),
 tabulate with a verdict, plot."""
-import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from gcbs_lib.distributed import launch
-from gcbs_lib.results import build_table, half_width, to_markdown
+from gcbs_lib.results import build_table, half_width, summarize, to_markdown
 from gcbs_lib.train import Trainer, load_config, train
 
 
@@ -81,13 +80,11 @@ def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[s
     curves = {}
     for arm in arms:
         runs = [summary[records] for (a, _), summary in summaries.items() if a == arm]
-        points = [[r[key] for r in same_point] for same_point in zip(*runs)]
-        curves[arm] = [statistics.fmean(p) for p in points]
-        sds = [statistics.stdev(p) if len(p) > 1 else 0.0 for p in points]
+        points = [summarize([r[key] for r in same_point]) for same_point in zip(*runs)]  # mean, sd over seeds
+        curves[arm] = [p.mean for p in points]
         x = [r["step"] for r in runs[0]] if records == "dev" else range(len(runs[0]))
         ax.plot(x, curves[arm], "o-", ms=3, label=arm)
-        ax.fill_between(x, [m - d for m, d in zip(curves[arm], sds)], [m + d for m, d in zip(curves[arm], sds)],
-                        alpha=0.2)
+        ax.fill_between(x, [p.mean - (p.sd or 0) for p in points], [p.mean + (p.sd or 0) for p in points], alpha=0.2)
     ax.set(xlabel="step" if records == "dev" else "epoch")
     ax.legend()
     return curves

@@ -46,10 +46,9 @@ class _GatherWithGrad(torch.autograd.Function):
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """`[B, ...]` on each rank → `[W·B, ...]`, ranks in order; the backward sums the incoming gradients over ranks
     and returns this rank's rows. Identity when not distributed; different shapes or dtypes raise on every rank."""
-    _, world_size = rank_and_world_size()
-    if world_size == 1:
+    if rank_and_world_size()[1] == 1:
         return x
-    layouts = [None] * world_size
+    layouts = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, (tuple(x.shape), str(x.dtype)))
     if len(set(layouts)) > 1:
         raise ValueError(f"gather_with_grad: ranks hold different shapes or dtypes {layouts} (see gather_ragged)")
@@ -58,15 +57,13 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
 
 def gather_ragged(rows: torch.Tensor) -> torch.Tensor:
     """`gather_with_grad` for ranks holding different numbers of rows (padded to the longest, padding dropped)."""
-    _, world_size = rank_and_world_size()
-    if world_size == 1:
+    if rank_and_world_size()[1] == 1:
         return rows
-    counts = [None] * world_size
+    counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, rows.shape[0])
     longest = max(counts)
-    padded = torch.cat([rows, rows.new_zeros(longest - rows.shape[0], *rows.shape[1:])])
     keep = torch.cat([torch.arange(c, device=rows.device) + r * longest for r, c in enumerate(counts)])
-    return gather_with_grad(padded)[keep]
+    return gather_with_grad(torch.cat([rows, rows.new_zeros(longest - rows.shape[0], *rows.shape[1:])]))[keep]
 
 
 def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
@@ -82,10 +79,9 @@ def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
 def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
     """The largest difference between ranks in any entry of `tensors` (of the same sizes and dtypes on every rank):
     0.0 means bitwise identical, and always when not distributed; NaN when any rank holds a NaN."""
-    _, world_size = rank_and_world_size()
-    if world_size == 1:
+    if rank_and_world_size()[1] == 1:
         return 0.0
-    tensors, layouts = [t.detach().reshape(-1) for t in tensors if t.numel()], [None] * world_size
+    tensors, layouts = [t.detach().reshape(-1) for t in tensors if t.numel()], [None] * dist.get_world_size()
     dist.all_gather_object(layouts, ([(t.numel(), str(t.dtype)) for t in tensors],
                                      any(bool(t.isnan().any()) for t in tensors)))
     if any(layout != layouts[0][0] for layout, _ in layouts):

@@ -47,7 +47,8 @@ def _unit_rows(z1, z2, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _check_batch_size(batch_size: int, n: int) -> None:
-    require(1 <= batch_size <= n, f"batch_size must lie in [1, N = {n}] (N smaller than a batch?), got {batch_size}")
+    require(isinstance(batch_size, int) and 1 <= batch_size <= n,
+            f"batch_size must be an int in [1, N = {n}] (N smaller than a batch?), got {batch_size!r}")
 
 
 def _blocks(u1: torch.Tensor, u2: torch.Tensor):
@@ -122,12 +123,9 @@ def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -
     follow the data's index order at every epoch. Returns a LongTensor permutation of range(N), not yet cut
     into batches (see `gcbs_batches`).
     """
-    if not 0 < quantile < 1:
-        raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
+    require(0 < quantile < 1, f"quantile must lie in (0, 1), got {quantile}")
     u1, u2 = _unit_rows(z1, z2)
-    n = len(u1)
-    if n < 2:
-        raise ValueError(f"need at least 2 items for an off-diagonal similarity, got N = {n}")
+    require((n := len(u1)) >= 2, f"need at least 2 items for an off-diagonal similarity, got N = {n}")
     threshold, flat, values = _threshold_and_candidates(u1, u2, quantile)
     rows, cols = np.divmod(flat[values > np.float64(threshold)], n)
     relabel = np.random.default_rng(seed).permutation(n)  # node p of the relabelled graph is item relabel[p]
@@ -201,11 +199,12 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     require(temperature > 0, f"temperature must be positive, got {temperature}")
     u1, u2 = _unit_rows(z1, z2, torch.float64)
     _check_batch_size(batch_size, n := len(u1))
-    order = torch.as_tensor(order, dtype=torch.long).to(u1.device)
+    order = torch.as_tensor(order)
+    require(not order.is_floating_point(), f"order must hold integer indices, got {order.dtype}")
+    order = order.long().to(u1.device)
     if order.shape != (n,) or not torch.equal(order.sort().values, torch.arange(n, device=u1.device)):
         raise ValueError(f"order must be a permutation of range({n})")
-    batch_of = torch.empty(n, dtype=torch.long, device=u1.device)
-    batch_of[order] = torch.arange(n, device=u1.device) // batch_size
+    batch_of = order.argsort() // batch_size  # item i stands at place argsort[i] of the order
     total, rows = 0.0, max(1, BLOCK_ELEMENTS // n)
     for start in range(0, n, rows):
         logits = u1[start:start + rows] @ u2.T / temperature

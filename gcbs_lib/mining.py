@@ -5,7 +5,9 @@ negatives already, i itself included) and every item sharing i's duplicate key (
 ranks are still often unlabelled matches, so the negative is drawn uniformly from ranks skip … top_k−1 (0-based)
 with `generator`. S is computed a block of rows at a time, never whole."""
 import torch
-import torch.nn.functional as F
+
+from gcbs_lib.check import require
+from gcbs_lib.gcbs import _unit_rows
 
 BLOCK_ELEMENTS = 2**22  # scores held at once
 
@@ -13,13 +15,10 @@ BLOCK_ELEMENTS = 2**22  # scores held at once
 def mine_hard_negatives(z1, z2, batches, *, top_k=30, skip=3, keys=None, generator=None) -> torch.Tensor:
     """A LongTensor shaped like `batches` [steps, B] (distinct item indices): entry [s, j] is the document mined
     for item batches[s, j]. keys: optional duplicate keys, one per item."""
-    if z1.dim() != 2 or z1.shape != z2.shape or z1.numel() == 0 or not (z1.isfinite().all() and z2.isfinite().all()):
-        raise ValueError(f"z1, z2 must be non-empty [N, d] tensors of one shape with no NaN or inf values, got "
-                         f"shapes {tuple(z1.shape)}, {tuple(z2.shape)}")
+    z1, z2 = _unit_rows(z1.cpu(), z2.cpu())  # checked: non-empty [N, d] of one shape, finite
     n, batches = len(z1), torch.as_tensor(batches, dtype=torch.long)
     items = batches.reshape(-1)
-    if not 0 <= skip < top_k:
-        raise ValueError(f"need 0 ≤ skip < top_k, got skip={skip}, top_k={top_k}")
+    require(0 <= skip < top_k, f"need 0 ≤ skip < top_k, got skip={skip}, top_k={top_k}")
     if keys is not None and len(keys) != n:
         raise ValueError(f"{len(keys)} keys for {n} items")
     if items.numel() == 0 or items.min() < 0 or items.max() >= n or len(items.unique()) != len(items):
@@ -28,7 +27,6 @@ def mine_hard_negatives(z1, z2, batches, *, top_k=30, skip=3, keys=None, generat
     batch_of[items] = torch.arange(len(items)) // batches.shape[-1]
     ids = {}  # an integer per distinct key
     key_of = torch.arange(n) if keys is None else torch.tensor([ids.setdefault(k, len(ids)) for k in list(keys)])
-    z1, z2 = (F.normalize(z.detach().float().cpu(), dim=1) for z in (z1, z2))
     draws, negatives = torch.rand(len(items), generator=generator), torch.empty_like(items)
     block = max(1, BLOCK_ELEMENTS // n)
     for start in range(0, len(items), block):

@@ -58,8 +58,7 @@ class TinyTextEncoder(nn.Module):
         x = self.drop(self.tokens(ids) + self.positions.weight[: ids.shape[1]])
         for block in self.blocks:
             x = block(x, mask)
-        x = self.norm(x)
-        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        pooled = (self.norm(x) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
 
 

@@ -25,8 +25,8 @@ import nbformat
 import papermill
 import yaml
 
-from gcbs_lib.results import (REPOSITORY, RESULTS_DIR_VARIABLE, build_table, read_rows, to_markdown,
-                              current_commit, write_text_atomic)
+from gcbs_lib.results import (REPOSITORY, RESULTS_DIR_VARIABLE, build_table, read_json, read_rows, to_markdown,
+                              current_commit, write_atomic)
 
 NOTEBOOKS = REPOSITORY / "notebooks"
 
@@ -34,8 +34,7 @@ NOTEBOOKS = REPOSITORY / "notebooks"
 def discover(folder: Path, only: list[str] | None = None) -> dict[Path, dict]:
     """`{notebook: {parameter: default}}` (by papermill) of `folder`'s `NN_topic.ipynb`, or of those `only` names."""
     paths = sorted(folder.glob("[0-9]*.ipynb"))
-    unknown = [t for t in only or [] if not any(t.zfill(2) in (p.stem, p.stem[:2]) for p in paths)]
-    if unknown or not paths:
+    if (unknown := [t for t in only or [] if not any(t.zfill(2) in (p.stem, p.stem[:2]) for p in paths)]) or not paths:
         raise ValueError(f"no notebook {' '.join(unknown)} in {folder}; there are {', '.join(p.stem for p in paths)}")
     chosen = [p for p in paths if not only or any(t.zfill(2) in (p.stem, p.stem[:2]) for t in only)]
     return {p: {k: ast.literal_eval(v["default"]) for k, v in papermill.inspect_notebook(p).items()} for p in chosen}
@@ -52,8 +51,7 @@ def typed(value, default, where: str):
 def plan(notebooks: dict[Path, dict], profile: str, overrides: dict[str, tuple]) -> dict[Path, dict]:
     """Each notebook's papermill parameters: the profile's name and file, then the `overrides` it has (name ->
     (YAML value, text, flag)). ValueError on a name no notebook has, or a value of the wrong type."""
-    unknown = [name for name in overrides if not any(name in values for values in notebooks.values())]
-    if unknown:
+    if unknown := [name for name in overrides if not any(name in values for values in notebooks.values())]:
         valid = "\n".join(f"  {path.stem}: {', '.join(values)}" for path, values in notebooks.items())
         raise ValueError(f"{' '.join(overrides[n][2] for n in unknown)}: no selected notebook has a parameter "
                          f"named {', '.join(map(repr, unknown))}; nothing was run. Valid parameters:\n{valid}")
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m gcbs_lib.reproduce " + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = current_commit()
     pinned = not args.prepare_only and "+dirty" not in commit and commit != "unknown"  # code a commit names
-    earlier = json.loads((out / "run.json").read_text()) if pinned and (out / "run.json").exists() else {}
+    earlier = read_json(out / "run.json") if pinned and (out / "run.json").exists() else {}
     kept = {p.stem: n for p, parameters in plans.items() if earlier.get("commit") == commit
             and (n := earlier["notebooks"].get(p.stem, {})).get("status") in ("ok", "failed")
             and {**n["parameters"], "seeds": None} == {**parameters, "seeds": None}}  # seeds may differ
@@ -150,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             run["notebooks"][notebook.stem] = outcome = execute(notebook, parameters, out, args.prepare_only)
             outcome["seconds"] = round(outcome["seconds"] + kept.get(notebook.stem, {}).get("seconds", 0), 1)
             print(f"{outcome['status']:>8}  {notebook.stem}  {outcome['seconds']:.0f} s  {outcome['error']}")
-            write_text_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
+            write_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
             if args.fail_fast and outcome["status"] == "failed":
                 break
     lines = build_table([row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)], run["commit"])
     tables = [f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
               for name in dict.fromkeys(line.experiment for line in lines)]  # one table per experiment
     smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n" if args.profile == "ci" else ""
-    write_text_atomic(out / "results.md", f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n" + "\n".join(tables))
+    write_atomic(out / "results.md", f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n" + "\n".join(tables))
     failed = [f"FAILED {name}: {n['error']}\n    see {out / name}.ipynb" for name, n in run["notebooks"].items()
               if n["status"] == "failed"]
     print("\n".join([f"results.md and figures/ in {out}/", *failed]), file=sys.stderr if failed else None)

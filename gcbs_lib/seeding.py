@@ -19,7 +19,9 @@ def generator(seed: int, epoch: int, purpose: str) -> torch.Generator:
 
 
 def fixed_subset(n: int, limit: int | None, purpose: str) -> list[int]:
-    """range(n), or a fixed random `limit` of it in index order: the same for every run seed and arm."""
+    """range(n), or a fixed random `limit` (≥ 1) of it in index order: the same for every run seed and arm."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"the {purpose} limit must be at least 1, got {limit}")
     if limit is None or limit >= n:
         return list(range(n))
     return sorted(torch.randperm(n, generator=generator(0, 0, purpose))[:limit].tolist())

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import time
 from datetime import timedelta
 from dataclasses import asdict, dataclass
@@ -64,7 +65,8 @@ class TrainConfig:
     options: Any = None                    # the experiment's Options (filled by `load_config`)
 
     def __post_init__(self):
-        positive = ("batch_size", "epochs", "embed_batch_size", "checkpoint_every", "chunk_size", "max_steps", "lr")
+        positive = ("batch_size", "epochs", "embed_batch_size", "checkpoint_every", "chunk_size", "max_steps", "lr",
+                    "clip_norm", "scale", "max_scale")
         if wrong := [key for key in positive if getattr(self, key) is not None and not getattr(self, key) > 0]:
             raise ValueError(f"{', '.join(wrong)} must be positive")
 
@@ -106,23 +108,19 @@ def load_config(experiment: str, profile: str = "ci", overrides: dict[str, Any] 
     return TrainConfig(experiment, options=options, **{k: v for k, v in values.items() if k in train_types})
 
 
-def atomic_save(state: Any, path: Path) -> None:
-    """`torch.save` to a temporary file, then renamed over `path`: a reader, or a kill, never sees a partial file."""
-    torch.save(state, path.with_name(f".{path.name}.tmp"))
-    os.replace(path.with_name(f".{path.name}.tmp"), path)
-
-
 def code_fingerprint() -> dict:
     """The sha256 of the package's code and profiles (files sorted by path), its commit (`git describe`), now."""
-    digest = hashlib.sha256()
-    for path in sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")]):
-        digest.update(path.read_bytes())
-    return {"sha256": digest.hexdigest(), "commit": results.current_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    code = b"".join(p.read_bytes() for p in sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")]))
+    return {"sha256": hashlib.sha256(code).hexdigest(), "commit": results.current_commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def load_checkpoint(path: str | Path) -> dict:
     """A checkpoint written by `train`, on the CPU, tensors and plain containers only (`weights_only`)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
+        raise ValueError(f"{path} is unreadable ({error}): delete it, or use another output directory") from None
 
 
 class TrainingDiverged(FloatingPointError):
@@ -197,7 +195,8 @@ class Trainer:
                 self._evaluate_dev()
             if self.main and (self.step % config.checkpoint_every == 0 or done):
                 state = {k: getattr(self, k) for k in STATE} | {k: v.state_dict() for k, v in self.stateful.items()}
-                atomic_save({**state, "config": asdict(config), "code": self.code}, self.dir / "checkpoint.pt")
+                state.update(config=asdict(config), code=self.code)
+                results.write_atomic(self.dir / "checkpoint.pt", lambda file: torch.save(state, file))
         return self._summary() if self.main else None
 
     def _evaluate_dev(self) -> None:
@@ -206,7 +205,8 @@ class Trainer:
         value, best = scores[self.experiment.dev_metric], self.best["value"]
         if best is None or value > best:
             self.best = {"value": value, "step": self.step}
-            atomic_save({"model": self.model.state_dict(), **self.best}, self.dir / "best.pt")
+            results.write_atomic(self.dir / "best.pt",
+                                      lambda file: torch.save({"model": self.model.state_dict(), **self.best}, file))
         self._log({"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores})
 
     def _plan_epoch(self) -> dict:
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
             dist.init_process_group("nccl" if config.device == "cuda" else "gloo", timeout=timedelta(hours=3))
         trainer = Trainer(config, arguments.output_dir)
-    except (KeyError, ValueError) as error:
+    except (KeyError, ValueError, OSError) as error:
         parser.error(error.args[0] if isinstance(error, KeyError) else str(error))
     summary = trainer.fit()
     if summary is not None:

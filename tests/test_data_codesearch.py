@@ -134,8 +134,11 @@ def test_load_reads_advtest_function_tokens_in_place_of_code_tokens(tmp_path):
     ('{"url": "u", "code_tokens": ["a"]}\n', "x.jsonl", ValueError, "docstring_tokens or doc"),
     ('{"code_tokens": ["a"], "docstring_tokens": ["a"]}\n', "x.jsonl", ValueError, "url or retrieval_idx"),
     ('{"url": "u", "code_tokens": [], "docstring_tokens": []}\n{broken\n', "x.jsonl", ValueError, r"x.jsonl:2"),
-    ('{"url": "u"}\n{"url": "v"}\n', "x.json", ValueError, "x.json: not JSON"),
+    ('{"url": "u"}\n{"url": "v"}\n', "x.json", ValueError, r"x.json is not valid JSON .*named \*.jsonl"),
     ('"just a string"', "x.json", ValueError, "JSON list or object"),
+    ('{"doc": "q", "code": "c", "retrieval_idx": 1}', "x.json", ValueError, "integer retrieval_idx"),
+    ("\n", "x.jsonl", ValueError, "no code-search examples"),
+    ("[]", "x.json", ValueError, "no code-search examples"),
 ])
 def test_load_refuses_malformed_files_naming_the_place(tmp_path, content, name, error, message):
     (tmp_path / name).write_text(content)

@@ -62,6 +62,19 @@ def test_malformed_captions_are_refused_clearly(tmp_path):
         read_captions(tmp_path / "bad")
     with pytest.raises(ValueError, match="expected caption.json"):
         read_captions(tmp_path / "captions.txt")
+    (tmp_path / "caption.json").write_text(json.dumps({"v": {"start": [0, 1], "end": [1, 2], "text": "ab"}}))
+    with pytest.raises(ValueError, match="each a list"):
+        read_captions(tmp_path / "caption.json")
+
+
+def test_given_a_skipped_dict_videos_with_bad_captions_are_left_out_and_listed(tmp_path):
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "good.csv").write_text("start,end,text\n0,1,a\n")
+    (tmp_path / "csv" / "columns.csv").write_text("begin,end,text\n0,1,a\n")
+    (tmp_path / "csv" / "bytes.csv").write_bytes(b"start,end,text\n0,1,\xff\n")
+    skipped = {}
+    assert read_captions(tmp_path / "csv", skipped) == {"good": {"start": [0.0], "end": [1.0], "text": ["a"]}}
+    assert set(skipped) == {"columns", "bytes"} and "UnicodeDecodeError" in skipped["bytes"]
 
 
 def test_a_clip_is_the_normalised_max_over_its_rows_at_each_streams_rate():

@@ -243,8 +243,10 @@ def test_quantile_outside_the_open_unit_interval_is_refused(quantile):
 
 @pytest.mark.parametrize("order, batch_size, temperature, message", [
     (torch.arange(10), 16, TAU, "N smaller than a batch"),
-    (torch.arange(10), 0, TAU, "batch_size must lie in"),
+    (torch.arange(10), 0, TAU, "batch_size must be an int in"),
+    (torch.arange(10), 5.0, TAU, "batch_size must be an int in"),
     (torch.zeros(10, dtype=torch.long), 5, TAU, "permutation"),
+    (torch.arange(10) + 0.3, 5, TAU, "order must hold integer indices"),
     (torch.arange(9), 5, TAU, "permutation"),
     (torch.arange(10), 5, 0.0, "temperature must be positive"),
 ])

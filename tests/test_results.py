@@ -7,7 +7,7 @@ import pytest
 
 from gcbs_lib import results
 from gcbs_lib.results import (build_table, collect, number, read_rows, record, result_row, to_markdown,
-                              update_readme, write_rows, write_text_atomic)
+                              update_readme, write_rows, write_atomic)
 
 
 def row(arm, seed, value, metric="test_mrr", experiment="codesearch", profile="cpu"):
@@ -27,10 +27,23 @@ def test_rows_round_trip_and_bad_rows_are_refused_with_a_clear_error(tmp_path):
     (tmp_path / "bad.json").write_text('{"not": "a list"}')
     with pytest.raises(ValueError, match="JSON list"):
         read_rows(tmp_path / "bad.json")
+    (tmp_path / "cut.json").write_text('[{"experiment": ')
+    with pytest.raises(ValueError, match="cut.json is not valid JSON"):
+        read_rows(tmp_path / "cut.json")
+
+
+def test_the_command_line_names_a_missing_or_corrupt_run_json_in_one_line(tmp_path, capsys):
+    corrupt = fake_run(tmp_path / "corrupt", [row("random", 0, 0.5)])
+    (corrupt / "run.json").write_text('{"command": ')
+    for run in (tmp_path / "absent", corrupt):
+        with pytest.raises(SystemExit) as exit:
+            results.main(["collect", str(run), "--results-dir", str(tmp_path / "results")])
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and str(run / "run.json") in err and "Traceback" not in err
 
 
 def test_an_atomic_write_leaves_no_temporary_file(tmp_path):
-    assert write_text_atomic(tmp_path / "deep" / "f.txt", "text").read_text() == "text"
+    assert write_atomic(tmp_path / "deep" / "f.txt", "text").read_text() == "text"
     assert [p.name for p in (tmp_path / "deep").iterdir()] == ["f.txt"]
 
 

@@ -37,3 +37,9 @@ def test_a_fixed_subset_is_the_same_for_every_call_and_sorted():
 
 def test_no_limit_or_a_limit_beyond_the_size_keeps_everything():
     assert fixed_subset(5, None, "x") == fixed_subset(5, 9, "x") == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("limit", [0, -5])
+def test_a_limit_below_one_is_refused_naming_the_subset(limit):
+    with pytest.raises(ValueError, match=f"the train-subset limit must be at least 1, got {limit}"):
+        fixed_subset(100, limit, "train-subset")

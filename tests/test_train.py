@@ -17,7 +17,8 @@ import torch.distributed as dist
 import gcbs_lib.train
 from gcbs_lib.distributed import LaunchError, launch
 from gcbs_lib.experiments.codesearch import CodeSearch
-from gcbs_lib.train import TrainingDiverged, atomic_save, launched, load_checkpoint, load_config, main, train
+from gcbs_lib.results import write_atomic
+from gcbs_lib.train import TrainingDiverged, launched, load_checkpoint, load_config, main, train
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
@@ -77,6 +78,7 @@ def test_the_paper_profiles_follow_the_original_recipes_and_ci_keeps_adamw():
     ({"sampler": "hard"}, ValueError, r"sampler must be Literal\['random', 'gcbs', 'hard_negatives'\], got 'hard'"),
     ({"learnable_scale": "maybe"}, ValueError, "learnable_scale must be bool"),
     ({"batch_size": "0", "lr": "-1"}, ValueError, "batch_size, lr must be positive"),
+    ({"clip_norm": "-1", "scale": "0"}, ValueError, "clip_norm, scale must be positive"),
 ])
 def test_unknown_keys_and_ill_typed_values_are_refused(overrides, error, match):
     with pytest.raises(error, match=match):
@@ -123,16 +125,28 @@ def test_an_output_directory_that_is_a_file_or_an_empty_training_set_is_named_in
     empty.mkdir(parents=True)
     (empty / "train.jsonl").write_text("")
     err = refused(capsys, command(tmp_path / "run", tmp_path / "empty"))
-    assert f"error: {empty / 'train.jsonl'} holds no training pairs" in err and not (tmp_path / "run").exists()
+    assert f"error: {empty / 'train.jsonl'}: no code-search examples" in err and not (tmp_path / "run").exists()
+
+
+def test_missing_data_is_named_in_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "no-data").mkdir()
+    err = refused(capsys, command(tmp_path / "run", tmp_path / "no-data"))
+    assert f"error: no code-search file at {tmp_path / 'no-data'}" in err
+
+
+def test_a_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, data_root):
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="checkpoint.pt is unreadable .*: delete it"):
+        train(load_config("codesearch", "ci", settings(data_root)), tmp_path)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------------------
 
-def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
+def test_an_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "checkpoint.pt"
-    atomic_save({"step": 1, "model": {"w": torch.ones(2)}}, path)
+    write_atomic(path, lambda file: torch.save({"step": 1, "model": {"w": torch.ones(2)}}, file))
     with pytest.raises(Exception):
-        atomic_save({"step": 2, "unpicklable": lambda: None}, path)
+        write_atomic(path, lambda file: torch.save({"step": 2, "unpicklable": lambda: None}, file))
     assert load_checkpoint(path)["step"] == 1
 
 

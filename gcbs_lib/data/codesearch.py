@@ -7,13 +7,12 @@
   CodeSearchNet  {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens`, `url`. Pool: codebase.jsonl.
 
 The stdlib stand-in of `data_scripts/build_codesearch_standin.py` is written in the last two layouts."""
-import json
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from gcbs_lib.check import require
+from gcbs_lib.check import read_json, require
 
 
 def load(path: str | Path) -> list[dict]:
@@ -27,21 +26,17 @@ def load(path: str | Path) -> list[dict]:
         raise FileNotFoundError(f"no code-search file at {path} (fetch it: data_scripts/download_codesearch.py)")
     text = path.read_text(encoding="utf-8")
     if path.name.endswith(".jsonl"):
-        return [_example(_parsed(line, f"{path}:{n}"), f"{path}:{n}") for n, line in enumerate(text.splitlines(), 1)
-                if line.strip()]
-    document = _parsed(text, str(path))
-    if isinstance(document, dict):  # code_idx_map.txt
-        return [{"query": "", "code": _joined(code), "key": str(idx)} for code, idx in document.items()]
-    if isinstance(document, list):
-        return [_example(row, f"{path}[{i}]") for i, row in enumerate(document)]
-    raise ValueError(f"{path}: expected a JSON list or object, got {type(document).__name__}")
-
-
-def _parsed(text: str, where: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not JSON ({error}); JSON-lines files are named *.jsonl") from None
+        examples = [_example(read_json(f"{path}:{n}", line), f"{path}:{n}")
+                    for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    elif isinstance(document := read_json(path, text, "; JSON-lines files are named *.jsonl"), dict):  # code_idx_map
+        require(all(type(idx) is int for idx in document.values()), f"{path}: a code map holds integer retrieval_idx")
+        examples = [{"query": "", "code": _joined(code), "key": str(idx)} for code, idx in document.items()]
+    elif isinstance(document, list):
+        examples = [_example(row, f"{path}[{i}]") for i, row in enumerate(document)]
+    else:
+        raise ValueError(f"{path}: expected a JSON list or object, got {type(document).__name__}")
+    require(examples, f"{path}: no code-search examples")
+    return examples
 
 
 def _example(row: dict, where: str) -> dict:

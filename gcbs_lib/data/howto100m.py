@@ -28,7 +28,10 @@ def _plain_captions(video_id: str, entry) -> dict[str, list]:
     """One video's captions as lists (float start, float end, str text), checked."""
     if not isinstance(entry, Mapping) or not {"start", "end", "text"} <= set(entry):
         raise ValueError(f"captions of video {video_id!r} need the keys (columns) start,end,text")
-    start, end, text = ([*entry[key]] for key in ("start", "end", "text"))
+    columns = [entry[key] for key in ("start", "end", "text")]
+    if any(isinstance(column, (str, bytes)) or not isinstance(column, Iterable) for column in columns):
+        raise ValueError(f"video {video_id!r}: start, end and text are each a list of one item per caption")
+    start, end, text = map(list, columns)
     if not len(start) == len(end) == len(text):
         raise ValueError(f"video {video_id!r}: {len(start)} starts, {len(end)} ends and {len(text)} texts")
     start, end = [float(s) for s in start], [float(e) for e in end]
@@ -37,20 +40,28 @@ def _plain_captions(video_id: str, entry) -> dict[str, list]:
     return {"start": start, "end": end, "text": ["" if t is None else str(t) for t in text]}
 
 
-def read_captions(path: str | Path) -> dict[str, dict[str, list]]:
+def read_captions(path: str | Path, skipped: dict | None = None) -> dict[str, dict[str, list]]:
     """`{video_id: {"start": [...], "end": [...], "text": [...]}}` (seconds) from `caption.json`, `caption.pickle`
-    (read by `PlainUnpickler`: unpickling could run code) or a directory of `<video_id>.csv` (start,end,text)."""
+    (read by `PlainUnpickler`: unpickling could run code) or a directory of `<video_id>.csv` (start,end,text). A
+    video with unreadable or malformed captions is an error, or, given a dict `skipped`, left out and noted there."""
     path = Path(path)
     if path.is_dir():
-        raw = {p.stem: _read_csv_captions(p) for p in sorted(path.glob("*.csv"))}
-        require(raw, f"{path}: no <video_id>.csv caption files")
+        raw = {p.stem: p for p in sorted(path.glob("*.csv"))}  # each file read below, where a bad one is skipped
     elif path.suffix in (".json", ".pickle", ".pkl"):
         with open(path, "rb") as handle:
             raw = json.load(handle) if path.suffix == ".json" else PlainUnpickler(handle).load()
     else:
         raise ValueError(f"{path}: expected caption.json, caption.pickle or a directory of <video_id>.csv")
-    require(isinstance(raw, Mapping), f"{path}: captions must map video ids to {{start, end, text}}")
-    return {str(video_id): _plain_captions(str(video_id), entry) for video_id, entry in raw.items()}
+    require(isinstance(raw, Mapping) and raw, f"{path}: no captions, or not a map of video ids to {{start, end, text}}")
+    captions = {}
+    for key, entry in raw.items():
+        try:
+            captions[str(key)] = _plain_captions(str(key), _read_csv_captions(entry) if path.is_dir() else entry)
+        except (ValueError, TypeError, csv.Error) as error:  # a UnicodeDecodeError is a ValueError
+            if skipped is None:
+                raise
+            skipped[str(key)] = f"captions: {type(error).__name__}: {error}"
+    return captions
 
 
 def caption_path(root: str | Path) -> Path:

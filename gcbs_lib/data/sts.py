@@ -5,6 +5,7 @@ of scores; concatenated in SentEval's order, pairs with an empty gold line dropp
 sts-{train,dev,test}.csv (tab-separated, unquoted, score in column 4, sentences in 5 and 6) and SICKRelatedness
 from SICK_{train,trial,test_annotated}.txt (a header, sentences in columns 1 and 2, score in 3)."""
 import csv
+import math
 from pathlib import Path
 
 from gcbs_lib.check import require
@@ -33,12 +34,14 @@ def load(path: str | Path, task: str) -> tuple[list[str], list[str], list[float]
     require(task in TASKS, f"task must be one of {TASKS}, got {task!r}")
     rows = [r for name in STS_YEARS[task] for r in _sts_subset(path, task, name)] if task in STS_YEARS else \
         _split_file(path, task)
+    require(rows, f"{path}: no {task} sentence pairs")
     scores = []
     for _, _, score, where in rows:
         try:
             scores.append(float(score))
         except ValueError:
-            raise ValueError(f"{where}: the gold score {score!r} is not a number") from None
+            scores.append(math.nan)
+        require(math.isfinite(scores[-1]), f"{where}: the gold score {score!r} is not a finite number")
     return [" ".join(r[0].split()) for r in rows], [" ".join(r[1].split()) for r in rows], scores
 
 

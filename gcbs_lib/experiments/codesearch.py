@@ -65,7 +65,7 @@ class CodeSearch(Experiment):
             run_data_script("build_codesearch_standin.py", "--root", root, "--variant", o.data.removeprefix("stdlib-"))
         name, train, splits = FILES[o.data]
         folder = root / "codesearch" / name.format(language=o.language)
-        require(pairs := load(folder / train), f"{folder / train} holds no training pairs")
+        pairs = load(folder / train)  # refused when empty
         self.tasks = {}
         for split, (q, p) in splits.items():  # as UniXcoder's script: a query with no match scores 0 (positive -1)
             task = retrieval_task(folder / q, folder / p if p else None)
@@ -97,9 +97,7 @@ class CodeSearch(Experiment):
         return rank_info_nce(*map(gather_with_grad, embeddings), scale)
 
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        items = [self.train[i] for i in indices.tolist()]
-        return tuple(model(to_device(self.tokens([e[side] for e in items], side), self.device))
-                     for side in ("query", "code"))
+        return tuple(model(to_device(inputs, self.device)) for inputs in self.collate(indices.tolist()).inputs)
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """MRR (0 beyond rank 1000), R@1 and R@10 of the split's queries against its whole pool."""

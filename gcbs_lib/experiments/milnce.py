@@ -125,16 +125,13 @@ class MilNce(Experiment):
         first = torch.full_like(captions, len(all_ids)).scatter_reduce(0, inverse, torch.arange(len(all_ids),
                                                                        device=all_ids.device), "amin")
         bags, exclude = (_positions(gather_with_grad(batch.extra[k]), captions) for k in ("bag_ids", "exclude_ids"))
-        s = scale() if callable(scale) else scale
-        losses = mil_nce(all_video, all_text[first], bags, 1 / s, self.options.direction,
-                         self.options.loss_chunk_size, reduction="none", exclude_idx=exclude)
-        rank, _ = rank_and_world_size()
-        return losses[rank * len(video):(rank + 1) * len(video)].mean()
+        losses = mil_nce(all_video, all_text[first], bags, 1 / (scale() if callable(scale) else scale),
+                         self.options.direction, self.options.loss_chunk_size, reduction="none", exclude_idx=exclude)
+        return losses.split(len(video))[rank_and_world_size()[0]].mean()  # the mean over this rank's clips
 
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip embeddings and the mean embedding of each clip's bag (what GCBS orders by)."""
-        batch = self.collate(indices.tolist())
-        (video, tokens), extra = to_device([batch.inputs, batch.extra], self.device)
+        (video, tokens), extra = to_device(list(self.collate(indices.tolist())), self.device)
         video, text, members = model.video(video), model.text(tokens), (extra["bag_ids"] >= 0)[..., None]
         positions = _positions(extra["bag_ids"], extra["caption_ids"]).clamp(min=0)
         return video, (text[positions] * members).sum(1) / members.sum(1)
@@ -153,7 +150,8 @@ class MilNce(Experiment):
 
 def write_splits(o: MilNceOptions, root: Path, folder: Path) -> dict:
     """Training bags; dev/test queries: a planted segment's true caption, else the caption a clip's bag grows from."""
-    captions, store = read_captions(caption_path(root)), FeatureStore(root)
+    store = FeatureStore(root)
+    captions = read_captions(caption_path(root), store.skipped)  # bad captions listed beside bad features
     clips, truth = (json.loads((root / f).read_text()) if (root / f).exists() else None
                     for f in ("clips.json", "truth.json"))
     ids = sorted(set(captions) & {p.stem for p in (root / "features_2d").glob("*.npy")})

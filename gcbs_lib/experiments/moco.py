@@ -73,10 +73,9 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)  # the groups side by side as channels
         y = F.batch_norm(x.reshape(len(x) // s, s * x.shape[1], *x.shape[2:]), mean, var, self.weight.repeat(s),
                          self.bias.repeat(s), True, self.momentum, self.eps)
-        with torch.no_grad():
-            self.running_mean.copy_(mean.view(s, -1).mean(0))
-            self.running_var.copy_(var.view(s, -1).mean(0))
-            self.num_batches_tracked.add_(1)
+        self.running_mean.copy_(mean.view(s, -1).mean(0))
+        self.running_var.copy_(var.view(s, -1).mean(0))
+        self.num_batches_tracked.add_(1)
         return y.view_as(x)
 
 
@@ -142,8 +141,7 @@ class MoCoModel(nn.Module):
     def enqueue(self, keys: torch.Tensor) -> None:
         """Replace the oldest len(keys) entries of the queue (a ring buffer) by `keys`."""
         size, ptr = len(self.queue), int(self.queue_ptr)
-        if size % len(keys):
-            raise ValueError(f"the queue size {size} must be a multiple of the global batch ({len(keys)})")
+        require(not size % len(keys), f"the queue size {size} must be a multiple of the global batch ({len(keys)})")
         self.queue[ptr:ptr + len(keys)] = keys.to(self.queue.dtype)
         self.queue_ptr.fill_((ptr + len(keys)) % size)
 
@@ -222,10 +220,9 @@ class MoCo(Experiment):
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Weighted kNN accuracy of `split` against the training images, on f_q's pooled features before the head."""
         def features(images):
-            return torch.cat([model.query.encoder(model.query.views(images[i:i + size].to(self.device))).float().cpu()
-                              for i in range(0, len(images), size)])
+            return torch.cat([model.query.encoder(model.query.views(part.to(self.device))).float().cpu()
+                              for part in images.split(self.options.eval_batch_size)])
 
-        o, size = self.options, self.options.eval_batch_size
         images, labels = self.splits[split]
         return {"knn_accuracy": knn_accuracy(features(images), labels, features(self.train), self.train_labels,
-                                             k=o.knn_k, temperature=o.knn_temperature)}
+                                             k=self.options.knn_k, temperature=self.options.knn_temperature)}
