@@ -18,12 +18,12 @@ def require(condition, message: str) -> None:
         raise ValueError(message)
 
 
-def read_json(path: str | Path, text: str | None = None, hint: str = ""):
-    """The value in a JSON file, or in `text` read from `path` (e.g. "file:line"); a ValueError names the place."""
+def read_json(where: str | Path, text: str | None = None, hint: str = ""):
+    """The JSON value of the file `where`, or of `text` from there (`where`: "file:line"); errors name `where`."""
     try:
-        return json.loads(Path(path).read_text() if text is None else text)
+        return json.loads(Path(where).read_text() if text is None else text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}){hint}") from None
+        raise ValueError(f"{where} is not valid JSON ({error}){hint}") from None
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:

@@ -25,7 +25,8 @@ class PrefixPromptedEncoder(nn.Module):
 
     def prefix(self, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One `(keys, values)` per layer, each `[batch, heads, pre_seq_len, head_dim]`, dropout drawn per example."""
-        return [tuple(layer) for layer in self.dropout(self.prompt.unsqueeze(2).expand(-1, -1, batch_size, -1, -1, -1))]
+        prompt = self.dropout(self.prompt.unsqueeze(2).expand(-1, -1, batch_size, -1, -1, -1))
+        return [(layer[0], layer[1]) for layer in prompt]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask

@@ -25,8 +25,9 @@ import nbformat
 import papermill
 import yaml
 
-from gcbs_lib.results import (REPOSITORY, RESULTS_DIR_VARIABLE, build_table, read_json, read_rows, to_markdown,
-                              current_commit, write_atomic)
+from gcbs_lib.check import read_json, require
+from gcbs_lib.results import (REPOSITORY, RESULTS_DIR_VARIABLE, build_table, read_rows, to_markdown, current_commit,
+                              write_atomic)
 
 NOTEBOOKS = REPOSITORY / "notebooks"
 
@@ -43,8 +44,8 @@ def discover(folder: Path, only: list[str] | None = None) -> dict[Path, dict]:
 def typed(value, default, where: str):
     """`value` if its type is the default's (a float takes an int; a default None takes anything)."""
     value = float(value) if isinstance(default, float) and type(value) is int else value
-    if default is not None and type(value) is not type(default):
-        raise ValueError(f"{where}: {value!r} does not match the type of the default {default!r}")
+    require(default is None or type(value) is type(default),
+            f"{where}: {value!r} does not match the type of the default {default!r}")
     return value
 
 
@@ -60,8 +61,7 @@ def plan(notebooks: dict[Path, dict], profile: str, overrides: dict[str, tuple])
         plans[path] = {"profile": profile} if "profile" in values else {}
         profile_file = path.parent / "params" / f"{path.stem}.{profile}.yaml"
         for name, value in (yaml.safe_load(profile_file.read_text()) or {} if profile_file.exists() else {}).items():
-            if name not in values:
-                raise ValueError(f"{profile_file}: {name!r} is not a parameter of {path.stem}")
+            require(name in values, f"{profile_file}: {name!r} is not a parameter of {path.stem}")
             plans[path][name] = typed(value, values[name], f"{profile_file} {name}")
         for name, (value, text, flag) in overrides.items():
             if name in values:  # a string parameter takes the text as written

@@ -8,7 +8,6 @@ import contextlib
 import hashlib
 import json
 import os
-import pickle
 import time
 from datetime import timedelta
 from dataclasses import asdict, dataclass
@@ -119,8 +118,8 @@ def load_checkpoint(path: str | Path) -> dict:
     """A checkpoint written by `train`, on the CPU, tensors and plain containers only (`weights_only`)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
-        raise ValueError(f"{path} is unreadable ({error}): delete it, or use another output directory") from None
+    except Exception as error:  # a corrupt file raises one of many kinds
+        raise ValueError(f"{path} is unreadable ({error!r}): delete it, or use another output directory") from None
 
 
 class TrainingDiverged(FloatingPointError):
@@ -205,8 +204,8 @@ class Trainer:
         value, best = scores[self.experiment.dev_metric], self.best["value"]
         if best is None or value > best:
             self.best = {"value": value, "step": self.step}
-            results.write_atomic(self.dir / "best.pt",
-                                      lambda file: torch.save({"model": self.model.state_dict(), **self.best}, file))
+            saved = {"model": self.model.state_dict(), **self.best}
+            results.write_atomic(self.dir / "best.pt", lambda file: torch.save(saved, file))
         self._log({"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores})
 
     def _plan_epoch(self) -> dict:

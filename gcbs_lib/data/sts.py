@@ -40,8 +40,8 @@ def load(path: str | Path, task: str) -> tuple[list[str], list[str], list[float]
         try:
             scores.append(float(score))
         except ValueError:
-            scores.append(math.nan)
-        require(math.isfinite(scores[-1]), f"{where}: the gold score {score!r} is not a finite number")
+            raise ValueError(f"{where}: the gold score {score!r} is not a number") from None
+        require(math.isfinite(scores[-1]), f"{where}: the gold score {score!r} is not finite")
     return [" ".join(r[0].split()) for r in rows], [" ".join(r[1].split()) for r in rows], scores
 
 

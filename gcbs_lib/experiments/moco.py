@@ -141,7 +141,7 @@ class MoCoModel(nn.Module):
     def enqueue(self, keys: torch.Tensor) -> None:
         """Replace the oldest len(keys) entries of the queue (a ring buffer) by `keys`."""
         size, ptr = len(self.queue), int(self.queue_ptr)
-        require(not size % len(keys), f"the queue size {size} must be a multiple of the global batch ({len(keys)})")
+        require(size % len(keys) == 0, f"the queue size {size} must be a multiple of the global batch ({len(keys)})")
         self.queue[ptr:ptr + len(keys)] = keys.to(self.queue.dtype)
         self.queue_ptr.fill_((ptr + len(keys)) % size)
 
