@@ -1,9 +1,7 @@
 """Checks. Visible verification, as nn-zero-to-hero's `cmp`: `compare(name, ours, reference)` measures one pair
 (bitwise equality; ‖Δ‖/‖ref‖, the norm-wise relative error of the whole tensor, not `torch.allclose`'s element-wise
-test; whether it is within the tolerance), `cmp_table(rows)` formats many. Input checks: `require`, `read_json`."""
-import json
+test; whether it is within the tolerance), `cmp_table(rows)` formats many. Input checks: `require`."""
 from collections import namedtuple
-from pathlib import Path
 
 import torch
 
@@ -16,14 +14,6 @@ def require(condition, message: str) -> None:
     """Raise ValueError(message) unless `condition`: how public functions refuse bad input."""
     if not condition:
         raise ValueError(message)
-
-
-def read_json(where: str | Path, text: str | None = None, hint: str = ""):
-    """The JSON value of the file `where`, or of `text` from there (`where`: "file:line"); errors name `where`."""
-    try:
-        return json.loads(Path(where).read_text() if text is None else text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where} is not valid JSON ({error}){hint}") from None
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:

@@ -33,7 +33,7 @@ SAMPLE_ROWS = 256  # rows of S sampled for the lower bound on the threshold
 NO_BOUND = -2.0  # below every cosine similarity
 
 
-def _unit_rows(z1, z2, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def unit_rows(z1, z2, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked embeddings [N, d] (same shape and device, not empty, finite) with unit rows, in `dtype`."""
     for name, z in (("z1", z1), ("z2", z2)):
         require(isinstance(z, torch.Tensor) and z.dim() == 2,
@@ -124,7 +124,7 @@ def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -
     into batches (see `gcbs_batches`).
     """
     require(0 < quantile < 1, f"quantile must lie in (0, 1), got {quantile}")
-    u1, u2 = _unit_rows(z1, z2)
+    u1, u2 = unit_rows(z1, z2)
     require((n := len(u1)) >= 2, f"need at least 2 items for an off-diagonal similarity, got N = {n}")
     threshold, flat, values = _threshold_and_candidates(u1, u2, quantile)
     rows, cols = np.divmod(flat[values > np.float64(threshold)], n)
@@ -197,7 +197,7 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     Float64, in row blocks. For planned batches [steps, B] of items: loss_gap(z1[items], z2[items],
     torch.arange(len(items)), B, τ) with items = batches.flatten()."""
     require(temperature > 0, f"temperature must be positive, got {temperature}")
-    u1, u2 = _unit_rows(z1, z2, torch.float64)
+    u1, u2 = unit_rows(z1, z2, torch.float64)
     _check_batch_size(batch_size, n := len(u1))
     order = torch.as_tensor(order)
     require(not order.is_floating_point(), f"order must hold integer indices, got {order.dtype}")

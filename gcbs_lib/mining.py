@@ -7,7 +7,7 @@ with `generator`. S is computed a block of rows at a time, never whole."""
 import torch
 
 from gcbs_lib.check import require
-from gcbs_lib.gcbs import _unit_rows
+from gcbs_lib.gcbs import unit_rows
 
 BLOCK_ELEMENTS = 2**22  # scores held at once
 
@@ -15,7 +15,7 @@ BLOCK_ELEMENTS = 2**22  # scores held at once
 def mine_hard_negatives(z1, z2, batches, *, top_k=30, skip=3, keys=None, generator=None) -> torch.Tensor:
     """A LongTensor shaped like `batches` [steps, B] (distinct item indices): entry [s, j] is the document mined
     for item batches[s, j]. keys: optional duplicate keys, one per item."""
-    z1, z2 = _unit_rows(z1.cpu(), z2.cpu())  # checked: non-empty [N, d] of one shape, finite
+    z1, z2 = unit_rows(z1.cpu(), z2.cpu())  # checked: non-empty [N, d] of one shape, finite
     n, batches = len(z1), torch.as_tensor(batches, dtype=torch.long)
     items = batches.reshape(-1)
     require(0 <= skip < top_k, f"need 0 ≤ skip < top_k, got skip={skip}, top_k={top_k}")

@@ -25,9 +25,9 @@ import nbformat
 import papermill
 import yaml
 
-from gcbs_lib.check import read_json, require
-from gcbs_lib.results import (REPOSITORY, RESULTS_DIR_VARIABLE, build_table, read_rows, to_markdown, current_commit,
-                              write_atomic)
+from gcbs_lib.check import require
+from gcbs_lib.data import read_json, write_atomic
+from gcbs_lib.results import REPOSITORY, RESULTS_DIR_VARIABLE, build_table, current_commit, read_rows, to_markdown
 
 NOTEBOOKS = REPOSITORY / "notebooks"
 

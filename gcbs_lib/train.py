@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, results, seeding
+from gcbs_lib.data import write_atomic
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 STATE = ("step", "epoch", "position", "plan", "best", "log_lines")  # where a run is, beside its tensors
@@ -195,7 +196,7 @@ class Trainer:
             if self.main and (self.step % config.checkpoint_every == 0 or done):
                 state = {k: getattr(self, k) for k in STATE} | {k: v.state_dict() for k, v in self.stateful.items()}
                 state.update(config=asdict(config), code=self.code)
-                results.write_atomic(self.dir / "checkpoint.pt", lambda file: torch.save(state, file))
+                write_atomic(self.dir / "checkpoint.pt", lambda file: torch.save(state, file))
         return self._summary() if self.main else None
 
     def _evaluate_dev(self) -> None:
@@ -205,7 +206,7 @@ class Trainer:
         if best is None or value > best:
             self.best = {"value": value, "step": self.step}
             saved = {"model": self.model.state_dict(), **self.best}
-            results.write_atomic(self.dir / "best.pt", lambda file: torch.save(saved, file))
+            write_atomic(self.dir / "best.pt", lambda file: torch.save(saved, file))
         self._log({"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores})
 
     def _plan_epoch(self) -> dict:

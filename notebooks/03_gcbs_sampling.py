@@ -207,7 +207,7 @@ print(len(source.splitlines()), "lines")
 # positive pairs are no edges).
 
 # %%
-threshold = gcbs._threshold_and_candidates(*gcbs._unit_rows(z1, z2), quantiles[0])[0]
+threshold = gcbs._threshold_and_candidates(*gcbs.unit_rows(z1, z2), quantiles[0])[0]
 print(cmp_table([compare("threshold vs np.quantile", torch.tensor(threshold, dtype=torch.float64),
                          torch.tensor(planted["threshold"]))]))
 threshold_exact = threshold == planted["threshold"]

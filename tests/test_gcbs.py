@@ -47,7 +47,7 @@ def reference(z1, z2, quantile, seed):
 
 
 def library_threshold(z1, z2, quantile):
-    return gcbs._threshold_and_candidates(*gcbs._unit_rows(z1, z2), quantile)[0]
+    return gcbs._threshold_and_candidates(*gcbs.unit_rows(z1, z2), quantile)[0]
 
 
 DATA_SETS = {  # name: (z1, z2, quantile)
@@ -89,7 +89,7 @@ def test_many_small_blocks_and_a_missed_sample_bound_change_nothing(name, monkey
 
 def test_the_edges_are_the_quantile_share_of_pairs_and_the_pass_keeps_few_candidates_beyond_them():
     z1, z2, quantile = DATA_SETS["clustered"]
-    threshold, _, values = gcbs._threshold_and_candidates(*gcbs._unit_rows(z1, z2), quantile)
+    threshold, _, values = gcbs._threshold_and_candidates(*gcbs.unit_rows(z1, z2), quantile)
     directed, expected = int((values > threshold).sum()), (1 - quantile) * 2000 * 1999
     assert abs(directed - expected) <= 0.01 * expected
     assert directed <= len(values) <= 3 * directed

@@ -6,8 +6,9 @@ import statistics
 import pytest
 
 from gcbs_lib import results
+from gcbs_lib.data import write_atomic
 from gcbs_lib.results import (build_table, collect, number, read_rows, record, result_row, to_markdown,
-                              update_readme, write_rows, write_atomic)
+                              update_readme, write_rows)
 
 
 def row(arm, seed, value, metric="test_mrr", experiment="codesearch", profile="cpu"):

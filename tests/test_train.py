@@ -17,7 +17,7 @@ import torch.distributed as dist
 import gcbs_lib.train
 from gcbs_lib.distributed import LaunchError, launch
 from gcbs_lib.experiments.codesearch import CodeSearch
-from gcbs_lib.results import write_atomic
+from gcbs_lib.data import write_atomic
 from gcbs_lib.train import TrainingDiverged, launched, load_checkpoint, load_config, main, train
 
 REPO = Path(__file__).resolve().parents[1]

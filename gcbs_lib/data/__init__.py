@@ -1,5 +1,6 @@
-"""Data families, one reader module each (codesearch, sts, howto100m, images), and the tools they share to build
-and read data safely under `data_root()`; stand-in builders and download tools live in `data_scripts/`."""
+"""Data families, one reader module each (codesearch, sts, howto100m, images), and the tools the kit shares to read
+and write files safely (`read_json`, `write_atomic`) and to build data under `data_root()`; stand-in builders and
+download tools live in `data_scripts/`."""
 import json
 import os
 import pickle
@@ -30,6 +31,23 @@ def run_data_script(script: str, *args) -> None:
                            f"{(done.stdout + done.stderr)[-3000:]}")
 
 
+def read_json(where: str | Path, text: str | None = None, hint: str = ""):
+    """The JSON value of the file `where`, or of `text` from there (`where`: "file:line"); errors name `where`."""
+    try:
+        return json.loads(Path(where).read_text() if text is None else text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where} is not valid JSON ({error}){hint}") from None
+
+
+def write_atomic(path: str | Path, content: str | Callable[[Path], object]) -> Path:
+    """Write `content` (a text, or a function that writes the file it is given, such as `lambda file:
+    torch.save(state, file)`) through a temporary file and a rename, so that no reader ever sees half a file."""
+    temporary = Path(path).with_name(f".{Path(path).name}.tmp")
+    temporary.parent.mkdir(parents=True, exist_ok=True)
+    content(temporary) if callable(content) else temporary.write_text(content)
+    return temporary.replace(path)
+
+
 def build_once(folder: str | Path, spec: dict, write: Callable[[Path], dict]) -> Path:
     """`folder`, built first unless its `manifest.json` matches `spec`: `write(staging)` fills a staging folder
     and returns extra manifest fields, then one rename publishes it (no half builds; concurrent callers such as
@@ -56,7 +74,7 @@ def build_once(folder: str | Path, spec: dict, write: Callable[[Path], dict]) ->
 def built(folder: str | Path, spec: dict) -> bool:
     """Whether `folder` holds a build whose manifest agrees with `spec` on every key of `spec`."""
     manifest = Path(folder) / "manifest.json"
-    return manifest.is_file() and {k: json.loads(manifest.read_text()).get(k) for k in spec} == spec
+    return manifest.is_file() and {k: read_json(manifest).get(k) for k in spec} == spec
 
 
 class PlainUnpickler(pickle.Unpickler):

@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from gcbs_lib.check import read_json, require
+from gcbs_lib.check import require
+from gcbs_lib.data import read_json
 
 
 def load(path: str | Path) -> list[dict]:

@@ -2,7 +2,6 @@
 features and the official MIL-NCE sentence head. Rank r gathers all clips and their bags' captions (each once), so
 it scores the single-process batch, and returns the mean over its own clips (notebook 02). Evaluation: text →
 video retrieval on held-out videos (R@1/5/10, median rank; the paper evaluates on YouCook2 and MSR-VTT instead)."""
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gcbs_lib.data import build_once, data_root, run_data_script
+from gcbs_lib.data import build_once, data_root, read_json, run_data_script
 from gcbs_lib.data.howto100m import (FeatureStore, build_bags, caption_path, features_of, open_arrays,
                                      read_captions, save_arrays)
 from gcbs_lib.distributed import gather_ragged, gather_with_grad, rank_and_world_size, rank_difference
@@ -152,8 +151,7 @@ def write_splits(o: MilNceOptions, root: Path, folder: Path) -> dict:
     """Training bags; dev/test queries: a planted segment's true caption, else the caption a clip's bag grows from."""
     store = FeatureStore(root)
     captions = read_captions(caption_path(root), store.skipped)  # bad captions listed beside bad features
-    clips, truth = (json.loads((root / f).read_text()) if (root / f).exists() else None
-                    for f in ("clips.json", "truth.json"))
+    clips, truth = (read_json(root / f) if (root / f).exists() else None for f in ("clips.json", "truth.json"))
     ids = sorted(set(captions) & {p.stem for p in (root / "features_2d").glob("*.npy")})
     order = torch.randperm(len(ids), generator=generator(0, 0, "milnce-video-split")).tolist()  # the same every run
     n = max(1, round(o.eval_fraction * len(ids)))  # dev and test videos each
