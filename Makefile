@@ -17,7 +17,7 @@ LAB_ARGS ?=
 BENCH_STEP_ARGS ?= --threads 1 --clock process
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 
-.PHONY: help install lab test unit nbval sync-check reproduce notebooks bench gpu-check clean
+.PHONY: help install lab test lint unit nbval sync-check reproduce notebooks bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -39,7 +39,13 @@ install: $(STAMP)  ## create .venv and install everything (torch first; TORCH_IN
 lab: $(STAMP)  ## open JupyterLab in notebooks/ with the venv's kernel (.py files open as paired notebooks; as root too)
 	cd notebooks && ../$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
-test: unit nbval sync-check  ## pytest (unit, multi-process, papermill smoke), nbval, jupytext drift check
+test: lint unit nbval sync-check  ## format and lint check, pytest (unit, multi-process, papermill smoke), nbval, jupytext drift check
+
+LINTED := gcbs_lib tests bench tools data_scripts $(wildcard notebooks/[0-9]*.py)
+
+lint: $(STAMP)  ## ruff: the formatter owns the layout (100 columns), the linter the rest (pyproject.toml)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
 
 unit: $(STAMP)  ## pytest only
 	$(BIN)/pytest tests --durations=15

@@ -1,20 +1,24 @@
-"""GCBS permutation time against N: the kit against the floor and the published algorithm, in interleaved trials
-(the machine may be shared: compare ratios, not seconds).
+"""GCBS permutation time against N: the kit against the floor and the published algorithm, in
+interleaved trials (the machine may be shared: compare ratios, not seconds).
 
-The floor is one pass of the similarity matmul over all N² pairs, in the kit's row blocks (every pair must be
-looked at once). The kit: `gcbs_permutation` (sampled bound, one pass keeping the candidate edges, exact
-threshold, graph, RCM). Published: the paper's minimal code with its bugs fixed (functional `normalize`, row
-chunks small enough for `torch.quantile`, no diagonal edges), its structure kept: the mean of per-chunk
-`torch.quantile` values as threshold, the edge list in Python lists, then `reverse_cuthill_mckee`.
+The floor is one pass of the similarity matmul over all N² pairs, in the kit's row blocks (every
+pair must be looked at once). The kit: `gcbs_permutation` (sampled bound, one pass keeping the
+candidate edges, exact threshold, graph, RCM). Published: the paper's minimal code with its bugs
+fixed (functional `normalize`, row chunks small enough for `torch.quantile`, no diagonal edges), its
+structure kept: the mean of per-chunk `torch.quantile` values as threshold, the edge list in Python
+lists, then `reverse_cuthill_mckee`.
 
-    python bench/bench_gcbs.py        # the report: N = 10k … 200k, d = 256, q = 0.999, 3 trials (1 from 100k),
+    python bench/bench_gcbs.py        # the report: N = 10k … 200k, d = 256, q = 0.999, 3 trials (1
+    from 100k),
                                       # writes docs/bench/gcbs.md (about an hour on 2 shared cores)
     python bench/bench_gcbs.py --sizes 2000 --repeats 1 --markdown ''   # a smoke run, printed only
-    python bench/bench_gcbs.py --device cuda --markdown docs/bench/gcbs_cuda.md  # similarity work on the GPU
+    python bench/bench_gcbs.py --device cuda --markdown docs/bench/gcbs_cuda.md  # similarity work
+    on the GPU
 
-Each trial times every arm once, in an order rotated from trial to trial; a table cell is the median over
-trials with the min–max range, and "kit / floor" is the median of the per-trial ratios.
+Each trial times every arm once, in an order rotated from trial to trial; a table cell is the median
+over trials with the min–max range, and "kit / floor" is the median of the per-trial ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,12 +46,13 @@ DEFAULT_MARKDOWN = "docs/bench/gcbs.md"
 
 
 def floor_pass(z1: torch.Tensor, z2: torch.Tensor) -> None:
-    """One pass of the similarity matmul over all N² pairs, in the kit's row blocks, nothing else."""
+    """One pass of the similarity matmul over all N² pairs, in the kit's row blocks, nothing
+    else."""
     u1, u2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
     elements = gcbs.DEVICE_BLOCK_ELEMENTS if u1.is_cuda else gcbs.BLOCK_ELEMENTS
     rows = max(1, elements // len(u1))
     for start in range(0, len(u1), rows):
-        u1[start:start + rows] @ u2.T
+        u1[start : start + rows] @ u2.T
     if u1.is_cuda:
         torch.cuda.synchronize(u1.device)
 
@@ -58,16 +63,22 @@ def kit(z1: torch.Tensor, z2: torch.Tensor, quantile: float) -> None:
         torch.cuda.synchronize(z1.device)
 
 
-def published_permutation(z1: torch.Tensor, z2: torch.Tensor, quantile: float) -> tuple[np.ndarray, int]:
+def published_permutation(
+    z1: torch.Tensor, z2: torch.Tensor, quantile: float
+) -> tuple[np.ndarray, int]:
     """The published algorithm, bugs fixed, structure kept. Returns (order, directed edge count)."""
     z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
     n = len(z1)
     chunk = (2**24 - 1) // n  # torch.quantile refuses more than 2^24 elements
-    threshold = torch.stack([torch.quantile(z1[s:s + chunk] @ z2.T, quantile) for s in range(0, n, chunk)]).mean()
+    threshold = torch.stack(
+        [torch.quantile(z1[s : s + chunk] @ z2.T, quantile) for s in range(0, n, chunk)]
+    ).mean()
     rows, cols = [], []
     for s in range(0, n, chunk):
-        similarity = z1[s:s + chunk] @ z2.T
-        similarity[torch.arange(len(similarity)), torch.arange(s, s + len(similarity))] = -float("inf")
+        similarity = z1[s : s + chunk] @ z2.T
+        similarity[torch.arange(len(similarity)), torch.arange(s, s + len(similarity))] = -float(
+            "inf"
+        )
         for i, j in (similarity > threshold).nonzero().tolist():
             rows.append(s + i)
             cols.append(j)
@@ -75,9 +86,12 @@ def published_permutation(z1: torch.Tensor, z2: torch.Tensor, quantile: float) -
     return reverse_cuthill_mckee(graph), len(rows)
 
 
-def embedded_pairs(n: int, dim: int, clustered: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """n feature pairs embedded by a small MLP, as a trainer would at each epoch start (clusters of about 50):
-    features z1 ~ N(0, I) or around n // 50 random centres (0.5 around each), z2 = z1 + 0.1·N(0, I)."""
+def embedded_pairs(
+    n: int, dim: int, clustered: bool, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """n feature pairs embedded by a small MLP, as a trainer would at each epoch start (clusters of
+    about 50): features z1 ~ N(0, I) or around n // 50 random centres (0.5 around each), z2 = z1 +
+    0.1·N(0, I)."""
     g = torch.Generator().manual_seed(seed)
     x1 = torch.randn(n, FEATURES, generator=g)
     if clustered:
@@ -87,7 +101,9 @@ def embedded_pairs(n: int, dim: int, clustered: bool, seed: int = 0) -> tuple[to
     torch.manual_seed(seed)
     encoder = nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, dim))
     with torch.no_grad():
-        return torch.cat([encoder(x) for x in x1.split(4096)]), torch.cat([encoder(x) for x in x2.split(4096)])
+        return torch.cat([encoder(x) for x in x1.split(4096)]), torch.cat(
+            [encoder(x) for x in x2.split(4096)]
+        )
 
 
 def measure(n: int, repeats: int, args: argparse.Namespace, data: str) -> dict:
@@ -98,24 +114,34 @@ def measure(n: int, repeats: int, args: argparse.Namespace, data: str) -> dict:
         arms["published"] = lambda: published_permutation(z1, z2, args.quantile)
     names, seconds = list(arms), {name: [] for name in arms}
     for trial in range(repeats):
-        for name in names[trial % len(names):] + names[:trial % len(names)]:
+        for name in names[trial % len(names) :] + names[: trial % len(names)]:
             start = time.perf_counter()
             arms[name]()
             seconds[name].append(time.perf_counter() - start)
-    return {"data": data, "n": n, "trials": repeats, "seconds": seconds,
-            "kit_over_floor": [k / f for k, f in zip(seconds["kit"], seconds["floor"])]}
+    return {
+        "data": data,
+        "n": n,
+        "trials": repeats,
+        "seconds": seconds,
+        "kit_over_floor": [k / f for k, f in zip(seconds["kit"], seconds["floor"])],
+    }
 
 
 def table(rows: list[dict]) -> list[str]:
     """The markdown table of the measured rows."""
-    lines = ["| data | N | trials | floor s | kit s | kit / floor | matmul share of kit | published s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| data | N | trials | floor s | kit s | kit / floor | matmul share of kit | published s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         s = row["seconds"]
         share = statistics.median(f / k for f, k in zip(s["floor"], s["kit"]))
         published = spread(s["published"]) if "published" in s else "–"
-        lines.append(f"| {row['data']} | {row['n']:,} | {row['trials']} | {spread(s['floor'])} | {spread(s['kit'])} | "
-                     f"{spread(row['kit_over_floor'])} | {share:.0%} | {published} |")
+        lines.append(
+            f"| {row['data']} | {row['n']:,} | {row['trials']} | {spread(s['floor'])} | "
+            f"{spread(s['kit'])} | "
+            f"{spread(row['kit_over_floor'])} | {share:.0%} | {published} |"
+        )
     return lines
 
 
@@ -128,34 +154,63 @@ def report(rows: list[dict], args: argparse.Namespace, command: str, machine: st
         "",
         f"Command: `{command}`",
         "",
-        "Seconds as median (min–max) over the interleaved trials of each N. The floor is one pass of the "
-        "similarity matmul over all N² pairs in the kit's row blocks; the kit is `gcbs_permutation` (sampled "
-        "bound, one pass keeping the candidate edges, exact threshold, graph, RCM); published is the paper's code "
-        "with its bugs fixed. \"matmul share\" is floor / kit.",
+        "Seconds as median (min–max) over the interleaved trials of each N. The floor is one pass "
+        "of the "
+        "similarity matmul over all N² pairs in the kit's row blocks; the kit is "
+        "`gcbs_permutation` (sampled "
+        "bound, one pass keeping the candidate edges, exact threshold, graph, RCM); published is "
+        "the paper's code "
+        'with its bugs fixed. "matmul share" is floor / kit.',
         "",
         *table(rows),
         "",
-        f"At N = {slow['n']:,} the kit takes {statistics.median(slow['kit_over_floor']):.2f}× the floor.",
+        f"At N = {slow['n']:,} the kit takes {statistics.median(slow['kit_over_floor']):.2f}× the "
+        "floor.",
         "",
     ]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10000, 20000, 30000, 50000, 100000, 200000],
-                        help="values of N")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[10000, 20000, 30000, 50000, 100000, 200000],
+        help="values of N",
+    )
     parser.add_argument("--dim", type=int, default=256, help="embedding dimension d")
-    parser.add_argument("--quantile", type=float, default=0.999, help="similarity quantile of the graph")
-    parser.add_argument("--data", nargs="+", choices=["clustered", "random"], default=["clustered"],
-                        help="embeddings: planted clusters of about 50 items and/or isotropic Gaussian")
-    parser.add_argument("--repeats", type=int, nargs="+",
-                        help="interleaved trials per N: one number for every N, or one per N "
-                             "(default 3 below N = 100k, 1 from there: a 200k trial pair takes about 10 minutes)")
-    parser.add_argument("--published-max", type=int, default=10000,
-                        help="largest N at which to time the published algorithm (0: never)")
+    parser.add_argument(
+        "--quantile", type=float, default=0.999, help="similarity quantile of the graph"
+    )
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        choices=["clustered", "random"],
+        default=["clustered"],
+        help="embeddings: planted clusters of about 50 items and/or isotropic Gaussian",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        nargs="+",
+        help="interleaved trials per N: one number for every N, or one per N "
+        "(default 3 below N = 100k, 1 from there: a 200k trial pair takes about 10 minutes)",
+    )
+    parser.add_argument(
+        "--published-max",
+        type=int,
+        default=10000,
+        help="largest N at which to time the published algorithm (0: never)",
+    )
     parser.add_argument("--device", default="cpu", help="where the embeddings live: cpu or cuda")
-    parser.add_argument("--markdown", default=DEFAULT_MARKDOWN,
-                        help=f"write the report section here (default {DEFAULT_MARKDOWN}; '' to only print)")
+    parser.add_argument(
+        "--markdown",
+        default=DEFAULT_MARKDOWN,
+        help=f"write the report section here (default {DEFAULT_MARKDOWN}; '' to only print)",
+    )
     args = parser.parse_args()
     args.repeats = args.repeats or [3 if n < 100000 else 1 for n in args.sizes]
     if len(args.repeats) not in (1, len(args.sizes)):

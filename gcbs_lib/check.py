@@ -1,13 +1,17 @@
-"""Checks. Visible verification, as nn-zero-to-hero's `cmp`: `compare(name, ours, reference)` measures one pair
-(bitwise equality; ‖Δ‖/‖ref‖, the norm-wise relative error of the whole tensor, not `torch.allclose`'s element-wise
-test; whether it is within the tolerance), `cmp_table(rows)` formats many. Input checks: `require`."""
+"""Checks. Visible verification, as nn-zero-to-hero's `cmp`: `compare(name, ours, reference)`
+measures one pair (bitwise equality; ‖Δ‖/‖ref‖, the norm-wise relative error of the whole tensor,
+not `torch.allclose`'s element-wise test; whether it is within the tolerance), `cmp_table(rows)`
+formats many. Input checks: `require`."""
+
 from collections import namedtuple
 
 import torch
 
-# Norm-wise relative tolerances: ~1000s of float64 roundoffs, ~100 of float32, ~1 of bfloat16's and float16's.
+# Norm-wise relative tolerances: ~1000s of float64 roundoffs, ~100 of float32, ~1 of bfloat16's and
+# float16's.
 TOLERANCES = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 5e-4}
-Comparison = namedtuple("Comparison", "name exact rel_err tolerance within_tolerance")  # one row of a cmp table
+# one row of a cmp table
+Comparison = namedtuple("Comparison", "name exact rel_err tolerance within_tolerance")
 
 
 def require(condition, message: str) -> None:
@@ -17,26 +21,49 @@ def require(condition, message: str) -> None:
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    """‖ours − reference‖ / ‖reference‖ (Frobenius norms, float64); 0 when both are zero, inf when only ours is not."""
-    require(ours.shape == reference.shape, f"shape mismatch: {tuple(ours.shape)} vs reference {tuple(reference.shape)}")
-    diff, scale = (ours.detach().double() - reference.detach().double()).norm(), reference.detach().double().norm()
+    """‖ours − reference‖ / ‖reference‖ (Frobenius norms, float64); 0 when both are zero, inf when
+    only ours is not."""
+    require(
+        ours.shape == reference.shape,
+        f"shape mismatch: {tuple(ours.shape)} vs reference {tuple(reference.shape)}",
+    )
+    diff, scale = (
+        (ours.detach().double() - reference.detach().double()).norm(),
+        reference.detach().double().norm(),
+    )
     return 0.0 if diff == 0 else float(diff / scale) if scale > 0 else float("inf")
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """The norm-wise relative tolerance the kit promises for results computed in `dtype` (see TOLERANCES)."""
-    require(dtype in TOLERANCES, f"no tolerance for {dtype}: compare floating-point results ({list(TOLERANCES)})")
+    """The norm-wise relative tolerance the kit promises for results computed in `dtype` (see
+    TOLERANCES)."""
+    require(
+        dtype in TOLERANCES,
+        f"no tolerance for {dtype}: compare floating-point results ({list(TOLERANCES)})",
+    )
     return TOLERANCES[dtype]
 
 
-def compare(name: str, ours: torch.Tensor, reference: torch.Tensor, rtol: float | None = None) -> Comparison:
-    """Bitwise equality and the relative error against `rtol` (default: the tolerance of the reference's dtype)."""
-    rtol, error = (tolerance(reference.dtype) if rtol is None else rtol), relative_error(ours, reference)
+def compare(
+    name: str, ours: torch.Tensor, reference: torch.Tensor, rtol: float | None = None
+) -> Comparison:
+    """Bitwise equality and the relative error against `rtol` (default: the tolerance of the
+    reference's dtype)."""
+    rtol, error = (
+        (tolerance(reference.dtype) if rtol is None else rtol),
+        relative_error(ours, reference),
+    )
     return Comparison(name, bool(torch.equal(ours, reference)), error, rtol, error <= rtol)
 
 
 def cmp_table(rows: list[Comparison]) -> str:
     """The comparisons as a fixed-width table, one line per row."""
     w = max([len("name")] + [len(r.name) for r in rows])
-    return "\n".join([f"{'name':<{w}}  exact  ‖Δ‖/‖ref‖  tolerance  within"] + [
-        f"{r.name:<{w}}  {r.exact!s:<5}  {r.rel_err:>9.1e}  {r.tolerance:>9.0e}  {r.within_tolerance}" for r in rows])
+    return "\n".join(
+        [f"{'name':<{w}}  exact  ‖Δ‖/‖ref‖  tolerance  within"]
+        + [
+            f"{r.name:<{w}}  {r.exact!s:<5}  {r.rel_err:>9.1e}  {r.tolerance:>9.0e}  "
+            f"{r.within_tolerance}"
+            for r in rows
+        ]
+    )

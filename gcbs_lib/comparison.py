@@ -1,5 +1,6 @@
-"""Samplers compared on the same seeds (random vs GCBS batches): score the start, train each (arm, seed),
-tabulate with a verdict, plot."""
+"""Samplers compared on the same seeds (random vs GCBS batches): score the start, train each (arm,
+seed), tabulate with a verdict, plot."""
+
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -9,38 +10,67 @@ from gcbs_lib.train import Trainer, load_config, train
 
 
 def arm_configs(experiment, profile, arms, seeds, overrides=None) -> dict:
-    """`{(arm, seed): TrainConfig}`: the profile, then `overrides`, the arm as sampler and the seed; seed-major."""
-    return {(arm, seed): load_config(experiment, profile, {**(overrides or {}), "sampler": arm, "seed": seed})
-            for seed in seeds for arm in arms}
+    """`{(arm, seed): TrainConfig}`: the profile, then `overrides`, the arm as sampler and the seed;
+    seed-major."""
+    return {
+        (arm, seed): load_config(
+            experiment, profile, {**(overrides or {}), "sampler": arm, "seed": seed}
+        )
+        for seed in seeds
+        for arm in arms
+    }
 
 
-def run_arms(experiment, profile, arms, seeds, folder, overrides=None, *, nproc=1, backend="gloo") -> dict:
-    """`{(arm, seed): summary}` of `train` for each of `arm_configs`: in this process, or on `nproc` ranks of
-    `backend` through torchrun (rank 0's summary comes back); and `("start", seed)`: the untrained model's test
-    rows (what training is measured against). Prints one line per run."""
+def run_arms(
+    experiment, profile, arms, seeds, folder, overrides=None, *, nproc=1, backend="gloo"
+) -> dict:
+    """`{(arm, seed): summary}` of `train` for each of `arm_configs`: in this process, or on `nproc`
+    ranks of `backend` through torchrun (rank 0's summary comes back); and `("start", seed)`: the
+    untrained model's test rows (what training is measured against). Prints one line per run."""
     summaries = {}
     for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
         output_dir = Path(folder) / f"{arm}-seed{seed}"
         if ("start", seed) not in summaries:
-            start = Trainer(replace(config, sampler="random", arm="start"), output_dir)  # the untrained model
+            # the untrained model
+            start = Trainer(replace(config, sampler="random", arm="start"), output_dir)
             summaries["start", seed] = {"rows": start.score("test")}
-            print(f"start seed {seed}: untrained, test " + ", ".join(
-                f"{r['metric'][5:]} {r['value']:.4f}" for r in summaries["start", seed]["rows"]))
-        summaries[arm, seed] = summary = train(config, output_dir) if nproc == 1 else launch(
-            "gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False,
-            args={"config": asdict(config), "output_dir": str(output_dir)})
+            print(
+                f"start seed {seed}: untrained, test "
+                + ", ".join(
+                    f"{r['metric'][5:]} {r['value']:.4f}" for r in summaries["start", seed]["rows"]
+                )
+            )
+        summaries[arm, seed] = summary = (
+            train(config, output_dir)
+            if nproc == 1
+            else launch(
+                "gcbs_lib.train:launched",
+                nproc=nproc,
+                backend=backend,
+                echo=False,
+                args={"config": asdict(config), "output_dir": str(output_dir)},
+            )
+        )
         test = ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items())
-        print(f"{arm} seed {seed}: {summary['steps']} steps, best dev at step {summary['best_step']}, test {test}")
+        print(
+            f"{arm} seed {seed}: {summary['steps']} steps, best dev at step "
+            f"{summary['best_step']}, test {test}"
+        )
     return summaries
 
 
-def pilot_plan(sd_paired_delta: float, seconds_per_seed: float, budget_minutes: float = 90) -> dict[int, float]:
-    """From a pilot's sd of the paired Δ and its time per seed (all arms): the 95 % half-width t·sd/√n of Δ for
-    n = 2 … 12 seeds, printed with the time of each; returns {n: half-width}."""
+def pilot_plan(
+    sd_paired_delta: float, seconds_per_seed: float, budget_minutes: float = 90
+) -> dict[int, float]:
+    """From a pilot's sd of the paired Δ and its time per seed (all arms): the 95 % half-width
+    t·sd/√n of Δ for n = 2 … 12 seeds, printed with the time of each; returns {n: half-width}."""
     half = {n: half_width(sd_paired_delta, n) for n in range(2, 13)}
     for n, h in half.items():
         minutes = n * seconds_per_seed / 60
-        print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{'' if minutes <= budget_minutes else ' (over budget)'}")
+        print(
+            f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} "
+            f"min{'' if minutes <= budget_minutes else ' (over budget)'}"
+        )
     return half
 
 
@@ -51,40 +81,56 @@ def rows_of(summaries: dict) -> list[dict]:
 
 class MarkdownTable(str):
     """Markdown text that Jupyter renders as a table and a console prints as it is."""
+
     _repr_markdown_ = __repr__ = str.__str__
 
 
 def arms_table(summaries, stand_in="not the paper's data") -> dict:
-    """Show the table of the runs' test rows (start, random, each arm, Δ against random paired by seed with its
-    95 % interval, the paper's Δ, the verdict) and the random arm's gain over the start; return its lines with a
-    Δ, keyed "arm/metric"."""
+    """Show the table of the runs' test rows (start, random, each arm, Δ against random paired by
+    seed with its 95 % interval, the paper's Δ, the verdict) and the random arm's gain over the
+    start; return its lines with a Δ, keyed "arm/metric"."""
     from IPython.display import display
 
     rows = rows_of(summaries)
     if rows[0]["data"] != "paper":
-        print(f"data: {rows[0]['data']}, a stand-in, {stand_in}: compare its Δ with the paper's, never its scores")
+        print(
+            f"data: {rows[0]['data']}, a stand-in, {stand_in}: compare its Δ with the paper's, "
+            "never its scores"
+        )
     if rows[0]["profile"] == "ci":
         print("ci profile, a smoke test: these numbers mean nothing about GCBS")
     lines = [line for line in build_table(rows) if line.metric.startswith("test_")]
     display(MarkdownTable(to_markdown(lines)))
-    moved = {line.metric[5:]: line for line in lines if line.start and line.random}  # one per metric
+    # one per metric
+    moved = {line.metric[5:]: line for line in lines if line.start and line.random}
     if moved:
-        print("training moved the model, random − start (sd over seeds): " + ", ".join(
-            f"{m} {line.random.mean - line.start.mean:+.4f} ({line.random.sd or 0:.4f})" for m, line in moved.items()))
+        print(
+            "training moved the model, random − start (sd over seeds): "
+            + ", ".join(
+                f"{m} {line.random.mean - line.start.mean:+.4f} ({line.random.sd or 0:.4f})"
+                for m, line in moved.items()
+            )
+        )
     return {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
 
 
 def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[str, list[float]]:
-    """Plot each arm's `key` of its `records` ("dev" by step, "epochs" by epoch): the mean over seeds and a band
-    of ± 1 sd; return the means."""
+    """Plot each arm's `key` of its `records` ("dev" by step, "epochs" by epoch): the mean over
+    seeds and a band of ± 1 sd; return the means."""
     curves = {}
     for arm in arms:
         runs = [summary[records] for (a, _), summary in summaries.items() if a == arm]
-        points = [summarize([r[key] for r in same_point]) for same_point in zip(*runs)]  # mean, sd over seeds
+        # mean, sd over seeds
+        points = [summarize([r[key] for r in same_point]) for same_point in zip(*runs)]
         curves[arm] = [p.mean for p in points]
         x = [r["step"] for r in runs[0]] if records == "dev" else range(len(runs[0]))
         ax.plot(x, curves[arm], "o-", ms=3, label=arm)
-        ax.fill_between(x, [p.mean - (p.sd or 0) for p in points], [p.mean + (p.sd or 0) for p in points], alpha=0.2)
+        ax.fill_between(
+            x,
+            [p.mean - (p.sd or 0) for p in points],
+            [p.mean + (p.sd or 0) for p in points],
+            alpha=0.2,
+        )
     ax.set(xlabel="step" if records == "dev" else "epoch")
     ax.legend()
     return curves
@@ -94,7 +140,14 @@ def plot_deltas(ax, lines) -> None:
     """Each line's Δ with its 95 % interval, beside the paper's Δ (×) and 0."""
     for y, line in enumerate(lines):
         low, high = (line.low, line.high) if line.low is not None else (line.delta, line.delta)
-        ax.errorbar(line.delta, y, xerr=[[line.delta - low], [high - line.delta]], fmt="o", color="k", capsize=4)
+        ax.errorbar(
+            line.delta,
+            y,
+            xerr=[[line.delta - low], [high - line.delta]],
+            fmt="o",
+            color="k",
+            capsize=4,
+        )
         if line.paper and line.paper.deltas:
             ax.plot(line.paper.deltas, [y] * len(line.paper.deltas), "x", color="C3", ms=9)
     ax.axvline(0, color="grey", lw=0.8)
@@ -103,6 +156,11 @@ def plot_deltas(ax, lines) -> None:
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:
-    """Whether `arm`'s first batches had a loss gap ≤ the baseline's on every seed (only their batches differ)."""
-    return all(summary["epochs"][0]["loss_gap"] <= summaries[baseline, seed]["epochs"][0]["loss_gap"] + 1e-6
-               for (a, seed), summary in summaries.items() if a == arm)
+    """Whether `arm`'s first batches had a loss gap ≤ the baseline's on every seed (only their
+    batches differ)."""
+    return all(
+        summary["epochs"][0]["loss_gap"]
+        <= summaries[baseline, seed]["epochs"][0]["loss_gap"] + 1e-6
+        for (a, seed), summary in summaries.items()
+        if a == arm
+    )

@@ -1,22 +1,31 @@
-"""Six conventions of a data-parallel contrastive step (how each rank gathers the others' embeddings, which loss it
-takes, a factor W), and `ddp_steps`, their step on real ranks; notebook 02 derives and compares their gradients."""
+"""Six conventions of a data-parallel contrastive step (how each rank gathers the others'
+embeddings, which loss it takes, a factor W), and `ddp_steps`, their step on real ranks; notebook 02
+derives and compares their gradients."""
+
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from gcbs_lib.distributed import (VirtualRanks, all_reduce_gradients, gather_with_grad, rank_and_world_size,
-                                  rank_difference)
+from gcbs_lib.distributed import (
+    VirtualRanks,
+    all_reduce_gradients,
+    gather_with_grad,
+    rank_and_world_size,
+    rank_difference,
+)
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import LogitScale, info_nce, rank_info_nce
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 
 
 def gather_without_grad(x: torch.Tensor) -> torch.Tensor:
-    """All-gather, no gradient but to this rank's own rows (GradCache's DistributedContrastiveLoss, Tevatron)."""
+    """All-gather, no gradient but to this rank's own rows (GradCache's DistributedContrastiveLoss,
+    Tevatron)."""
     rank, world_size = rank_and_world_size()
     pieces = list(gather_with_grad(x.detach()).chunk(world_size))
     pieces[rank] = x
@@ -24,7 +33,8 @@ def gather_without_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 class MilNceAllGather(torch.autograd.Function):
-    """The official MIL-NCE code's AllGather: forward gathers, backward keeps this rank's rows without summing."""
+    """The official MIL-NCE code's AllGather: forward gathers, backward keeps this rank's rows
+    without summing."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -33,12 +43,14 @@ class MilNceAllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad[dist.get_rank() * ctx.rows:(dist.get_rank() + 1) * ctx.rows]
+        return grad[dist.get_rank() * ctx.rows : (dist.get_rank() + 1) * ctx.rows]
 
 
 @dataclass(frozen=True)
 class Convention:
-    """A gather, the loss each rank takes (the global L over all W·B queries, or its share L_r), and a factor W."""
+    """A gather, the loss each rank takes (the global L over all W·B queries, or its share L_r), and
+    a factor W."""
+
     label: str
     gather: Callable[[torch.Tensor], torch.Tensor]
     global_loss: bool
@@ -46,24 +58,38 @@ class Convention:
 
     def rank_loss(self, all_queries, all_docs, scale, rank: int, world_size: int) -> torch.Tensor:
         """The (symmetric) loss rank `rank` back-propagates, from its gathered embeddings."""
-        loss = (info_nce(all_queries, all_docs, scale, symmetric=True) if self.global_loss
-                else rank_info_nce(all_queries, all_docs, scale, symmetric=True, rank=rank, world_size=world_size))
+        loss = (
+            info_nce(all_queries, all_docs, scale, symmetric=True)
+            if self.global_loss
+            else rank_info_nce(
+                all_queries, all_docs, scale, symmetric=True, rank=rank, world_size=world_size
+            )
+        )
         return loss * world_size if self.times_world else loss
 
 
 CONVENTIONS = {
     "kit": Convention("gather_with_grad, rank share L_r (the kit)", gather_with_grad, False, False),
-    "loss_x_W": Convention("gather_with_grad, rank share L_r, loss x W", gather_with_grad, False, True),
+    "loss_x_W": Convention(
+        "gather_with_grad, rank share L_r, loss x W", gather_with_grad, False, True
+    ),
     "no_grad": Convention("gather without grad, global loss", gather_without_grad, True, False),
-    "no_grad_x_W": Convention("gather without grad, global loss x W", gather_without_grad, True, True),
+    "no_grad_x_W": Convention(
+        "gather without grad, global loss x W", gather_without_grad, True, True
+    ),
     "milnce": Convention("MIL-NCE AllGather, global loss", MilNceAllGather.apply, True, False),
-    "no_grad_share": Convention("gather without grad, rank share L_r", gather_without_grad, False, False)}
+    "no_grad_share": Convention(
+        "gather without grad, rank share L_r", gather_without_grad, False, False
+    ),
+}
 LENGTH, VOCAB, DIM = 8, 50, 8  # tokens per text, vocabulary, embedding size
 
 
 @dataclass(frozen=True)
 class ScalingSetup:
-    """One step: `per_rank` pairs on each rank, encoded `chunk_size` rows at a time, in float64 on `device`."""
+    """One step: `per_rank` pairs on each rank, encoded `chunk_size` rows at a time, in float64 on
+    `device`."""
+
     per_rank: int = 4
     chunk_size: int = 2
     dropout: float = 0.0
@@ -78,44 +104,70 @@ class ScalingSetup:
 def build_models(setup: ScalingSetup) -> tuple[TinyTextEncoder, LogitScale]:
     """The encoder and learnable logit scale, in float64, initialised from `setup.seed`."""
     torch.manual_seed(setup.seed)
-    encoder = TinyTextEncoder(VOCAB, DIM, heads=2, layers=1, max_length=LENGTH, dropout=setup.dropout)
+    encoder = TinyTextEncoder(
+        VOCAB, DIM, heads=2, layers=1, max_length=LENGTH, dropout=setup.dropout
+    )
     return encoder.to(setup.device, torch.float64), LogitScale().to(setup.device, torch.float64)
 
 
 def global_batch(setup: ScalingSetup, world_size: int) -> list[dict]:
     """Queries and documents of all W·B pairs; rank r holds rows r·B:(r+1)·B."""
     generator = torch.Generator().manual_seed(setup.seed)
-    batches = [random_token_batch(world_size * setup.per_rank, LENGTH, VOCAB, generator) for _ in "qd"]
+    batches = [
+        random_token_batch(world_size * setup.per_rank, LENGTH, VOCAB, generator) for _ in "qd"
+    ]
     return [{k: v.to(setup.device) for k, v in batch.items()} for batch in batches]
 
 
 def flat_gradients(encoder, scale: LogitScale) -> dict[str, torch.Tensor]:
     """Every encoder gradient as one vector, and the logit scale's."""
-    return {"encoder": torch.cat([p.grad.reshape(-1) for p in encoder.parameters()]).cpu(),
-            "logit_scale": scale.log_scale.grad.reshape(1).cpu()}
+    return {
+        "encoder": torch.cat([p.grad.reshape(-1) for p in encoder.parameters()]).cpu(),
+        "logit_scale": scale.log_scale.grad.reshape(1).cpu(),
+    }
 
 
 def ddp_steps(runs: list[tuple[str, ScalingSetup]]) -> list[dict]:
-    """A `launch` target: for each (convention, setup) of `runs`, one step on this rank (GradCache over a DDP encoder,
-    the logit scale averaged): the mean loss over ranks, `flat_gradients`, DDP's all-reduce sizes, `rank_difference`."""
+    """A `launch` target: for each (convention, setup) of `runs`, one step on this rank (GradCache
+    over a DDP encoder, the logit scale averaged): the mean loss over ranks, `flat_gradients`, DDP's
+    all-reduce sizes, `rank_difference`."""
     (rank, world_size), results = rank_and_world_size(), []
     for convention, setup in runs:
         rule, (encoder, scale) = CONVENTIONS[convention], build_models(setup)
         ddp, allreduces = DistributedDataParallel(encoder), []
         ddp.register_comm_hook(allreduces, _count_allreduce)
-        queries, docs = (VirtualRanks(world_size).shard(batch)[rank] for batch in global_batch(setup, world_size))
+        queries, docs = (
+            VirtualRanks(world_size).shard(batch)[rank] for batch in global_batch(setup, world_size)
+        )
         torch.manual_seed(setup.rank_seed(rank))
-        loss = cached_loss(lambda q, d: rule.rank_loss(rule.gather(q), rule.gather(d), scale, rank, world_size),
-                           ddp, [queries, docs], setup.chunk_size)
+        loss = cached_loss(
+            partial(_rank_loss, rule, scale, rank, world_size),
+            ddp,
+            [queries, docs],
+            setup.chunk_size,
+        )
         loss.backward()
         all_reduce_gradients(scale.parameters())
         dist.all_reduce(mean_loss := loss.detach().clone())
-        results.append({"loss": mean_loss.item() / world_size, "grads": flat_gradients(encoder, scale),
-                        "allreduces": allreduces, "rank_difference": rank_difference(
-                            [p.grad for p in (*encoder.parameters(), *scale.parameters())])})
+        results.append(
+            {
+                "loss": mean_loss.item() / world_size,
+                "grads": flat_gradients(encoder, scale),
+                "allreduces": allreduces,
+                "rank_difference": rank_difference(
+                    [p.grad for p in (*encoder.parameters(), *scale.parameters())]
+                ),
+            }
+        )
     return results
 
 
-def _count_allreduce(sizes: list[int], bucket):  # bucket and return left unannotated: DDP checks a hook's types
+# bucket and return left unannotated: DDP checks a hook's types
+def _rank_loss(rule, scale, rank: int, world_size: int, q, d):
+    """One rank's loss under `rule`, on its own queries and documents against the gathered ones."""
+    return rule.rank_loss(rule.gather(q), rule.gather(d), scale, rank, world_size)
+
+
+def _count_allreduce(sizes: list[int], bucket):
     sizes.append(bucket.buffer().numel())
     return allreduce_hook(None, bucket)

@@ -1,19 +1,22 @@
 """Global Contrastive Batch Sampling (GCBS): batches that hold each other's hard negatives.
 
-Sachidananda, Yang and Zhu (ICML 2023) reorder the training set at each epoch start. With N pairs embedded as
-z1 (anchors) and z2 (positives), unit rows, and the cosine similarities S = z1 z2ᵀ:
+Sachidananda, Yang and Zhu (ICML 2023) reorder the training set at each epoch start. With N pairs
+embedded as z1 (anchors) and z2 (positives), unit rows, and the cosine similarities S = z1 z2ᵀ:
 
-1. the pairs (i, j), i ≠ j, whose S_ij lies above the q-quantile of the N(N−1) off-diagonal similarities are
-   the edges of an undirected graph (the diagonal holds the positive pairs: no edges);
-2. reverse Cuthill–McKee (RCM) orders the items so that the graph's bandwidth is small: both ends of an edge
-   land close together in the order, hence mostly in one batch;
+1. the pairs (i, j), i ≠ j, whose S_ij lies above the q-quantile of the N(N−1) off-diagonal
+   similarities are the edges of an undirected graph (the diagonal holds the positive pairs: no
+   edges);
+2. reverse Cuthill–McKee (RCM) orders the items so that the graph's bandwidth is small: both ends of
+   an edge land close together in the order, hence mostly in one batch;
 3. the order is cut into batches and the batch order shuffled (`gcbs_batches`).
 
-S is computed in row blocks on the embeddings' device and never held whole. The threshold is exact (numpy's
-quantile of the float32 similarities) and takes one pass over S: a row sample gives a lower bound, the pass
-keeps the entries at or above it (the candidate edges) and counts the rest, and the two order statistics that
-the quantile interpolates lie among the candidates. Should the bound miss, a second pass runs without one.
-`loss_gap` measures what an order achieves: the gap between the global InfoNCE loss and the in-batch one."""
+S is computed in row blocks on the embeddings' device and never held whole. The threshold is exact
+(numpy's quantile of the float32 similarities) and takes one pass over S: a row sample gives a lower
+bound, the pass keeps the entries at or above it (the candidate edges) and counts the rest, and the
+two order statistics that the quantile interpolates lie among the candidates. Should the bound miss,
+a second pass runs without one. `loss_gap` measures what an order achieves: the gap between the
+global InfoNCE loss and the in-batch one."""
+
 import math
 from collections import deque
 from typing import Hashable, Sequence
@@ -34,35 +37,46 @@ NO_BOUND = -2.0  # below every cosine similarity
 
 
 def unit_rows(z1, z2, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked embeddings [N, d] (same shape and device, not empty, finite) with unit rows, in `dtype`."""
+    """Checked embeddings [N, d] (same shape and device, not empty, finite) with unit rows, in
+    `dtype`."""
     for name, z in (("z1", z1), ("z2", z2)):
-        require(isinstance(z, torch.Tensor) and z.dim() == 2,
-                f"{name} must be a 2-D tensor [N, d], got {getattr(z, 'shape', type(z))}")
-    require(z1.shape == z2.shape and z1.device == z2.device, f"z1 and z2 must have the same shape and device, got "
-            f"{tuple(z1.shape)} on {z1.device} and {tuple(z2.shape)} on {z2.device}")
+        require(
+            isinstance(z, torch.Tensor) and z.dim() == 2,
+            f"{name} must be a 2-D tensor [N, d], got {getattr(z, 'shape', type(z))}",
+        )
+    require(
+        z1.shape == z2.shape and z1.device == z2.device,
+        f"z1 and z2 must have the same shape and device, got "
+        f"{tuple(z1.shape)} on {z1.device} and {tuple(z2.shape)} on {z2.device}",
+    )
     require(z1.numel(), f"empty embeddings: shape {tuple(z1.shape)}")
     u1, u2 = (F.normalize(z.detach().to(dtype), dim=1) for z in (z1, z2))
-    require(torch.isfinite(u1.sum() + u2.sum()), "the embeddings hold NaN or inf values")  # NaN/inf → a NaN row
+    # NaN/inf → a NaN row
+    require(torch.isfinite(u1.sum() + u2.sum()), "the embeddings hold NaN or inf values")
     return u1, u2
 
 
 def _check_batch_size(batch_size: int, n: int) -> None:
-    require(isinstance(batch_size, int) and 1 <= batch_size <= n,
-            f"batch_size must be an int in [1, N = {n}] (N smaller than a batch?), got {batch_size!r}")
+    require(
+        isinstance(batch_size, int) and 1 <= batch_size <= n,
+        f"batch_size must be an int in [1, N = {n}] (N smaller than a batch?), got {batch_size!r}",
+    )
 
 
 def _blocks(u1: torch.Tensor, u2: torch.Tensor):
-    """(first row, S[rows]) for consecutive row blocks of S, float32 on the embeddings' device, diagonal −inf."""
+    """(first row, S[rows]) for consecutive row blocks of S, float32 on the embeddings' device,
+    diagonal −inf."""
     n = len(u1)
     rows = max(1, (DEVICE_BLOCK_ELEMENTS if u1.is_cuda else BLOCK_ELEMENTS) // n)
     for start in range(0, n, rows):
-        block = u1[start:start + rows] @ u2.T
+        block = u1[start : start + rows] @ u2.T
         block.diagonal(start).fill_(-math.inf)
         yield start, block
 
 
 def _at_least(block: torch.Tensor, bound: float) -> tuple[np.ndarray, np.ndarray]:
-    """Flat indices (row-major) and values, as numpy arrays, of the block's entries ≥ bound (a float32 number)."""
+    """Flat indices (row-major) and values, as numpy arrays, of the block's entries ≥ bound (a
+    float32 number)."""
     if block.is_cuda:
         flat = (block.view(-1) >= bound).nonzero().squeeze(1)
         return flat.cpu().numpy(), block.view(-1)[flat].cpu().numpy()
@@ -72,19 +86,25 @@ def _at_least(block: torch.Tensor, bound: float) -> tuple[np.ndarray, np.ndarray
 
 
 def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
-    """A lower bound, most likely, on the keep-th largest off-diagonal S_ij: in SAMPLE_ROWS random rows, the
-    value that twice the expected number of sampled entries reaches (all of S when N ≤ SAMPLE_ROWS)."""
+    """A lower bound, most likely, on the keep-th largest off-diagonal S_ij: in SAMPLE_ROWS random
+    rows, the value that twice the expected number of sampled entries reaches (all of S when N ≤
+    SAMPLE_ROWS)."""
     n, r = len(u1), min(len(u1), SAMPLE_ROWS)
     rows = torch.from_numpy(np.random.default_rng(0).choice(n, r, replace=False)).to(u1.device)
     sample = u1[rows] @ u2.T
     sample[torch.arange(r, device=u1.device), rows] = -math.inf
     k, sample = min(r * (n - 1), 2 * math.ceil(keep * r / n) + 64), sample.view(-1)
-    return float(sample.topk(k).values[-1] if sample.is_cuda else np.partition(sample.numpy(), -k)[-k])
+    return float(
+        sample.topk(k).values[-1] if sample.is_cuda else np.partition(sample.numpy(), -k)[-k]
+    )
 
 
-def _candidates(u1: torch.Tensor, u2: torch.Tensor, bound: float, keep: int) -> tuple[np.ndarray, np.ndarray]:
-    """One pass over S: flat indices i·N + j and values of the off-diagonal entries ≥ bound. Whenever more than
-    2·keep are held, the bound rises to the keep-th largest held value (so memory stays O(keep))."""
+def _candidates(
+    u1: torch.Tensor, u2: torch.Tensor, bound: float, keep: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One pass over S: flat indices i·N + j and values of the off-diagonal entries ≥ bound.
+    Whenever more than 2·keep are held, the bound rises to the keep-th largest held value (so memory
+    stays O(keep))."""
     n, flats, values, held = len(u1), [], [], 0
     for start, block in _blocks(u1, u2):
         flat, value = _at_least(block, bound)
@@ -100,8 +120,8 @@ def _candidates(u1: torch.Tensor, u2: torch.Tensor, bound: float, keep: int) -> 
 
 
 def _threshold_and_candidates(u1, u2, quantile: float) -> tuple[float, np.ndarray, np.ndarray]:
-    """The exact off-diagonal quantile of S (numpy's linear rule on the float32 values in float64) and the
-    candidate entries (flat indices and values) among which the edges lie."""
+    """The exact off-diagonal quantile of S (numpy's linear rule on the float32 values in float64)
+    and the candidate entries (flat indices and values) among which the edges lie."""
     m = len(u1) * (len(u1) - 1)
     position = (m - 1) * quantile
     low = math.floor(position)
@@ -116,32 +136,41 @@ def _threshold_and_candidates(u1, u2, quantile: float) -> tuple[float, np.ndarra
 
 
 def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -> torch.Tensor:
-    """The GCBS permutation of N pairs: the RCM order of the graph of off-diagonal S_ij above `quantile`.
+    """The GCBS permutation of N pairs: the RCM order of the graph of off-diagonal S_ij above
+    `quantile`.
 
-    z1, z2: [N, d] embeddings of the two sides of each pair (normalised here). The nodes are relabelled at random
-    (`seed`) before RCM, which breaks ties by node index and puts isolated nodes last: without it these would
-    follow the data's index order at every epoch. Returns a LongTensor permutation of range(N), not yet cut
-    into batches (see `gcbs_batches`).
+    z1, z2: [N, d] embeddings of the two sides of each pair (normalised here). The nodes are
+    relabelled at random (`seed`) before RCM, which breaks ties by node index and puts isolated
+    nodes last: without it these would follow the data's index order at every epoch. Returns a
+    LongTensor permutation of range(N), not yet cut into batches (see `gcbs_batches`).
     """
     require(0 < quantile < 1, f"quantile must lie in (0, 1), got {quantile}")
     u1, u2 = unit_rows(z1, z2)
-    require((n := len(u1)) >= 2, f"need at least 2 items for an off-diagonal similarity, got N = {n}")
+    require(
+        (n := len(u1)) >= 2, f"need at least 2 items for an off-diagonal similarity, got N = {n}"
+    )
     threshold, flat, values = _threshold_and_candidates(u1, u2, quantile)
     rows, cols = np.divmod(flat[values > np.float64(threshold)], n)
-    relabel = np.random.default_rng(seed).permutation(n)  # node p of the relabelled graph is item relabel[p]
+    # node p of the relabelled graph is item relabel[p]
+    relabel = np.random.default_rng(seed).permutation(n)
     label = np.argsort(relabel)
     directed = sp.csr_matrix((np.ones(len(rows), bool), (label[rows], label[cols])), shape=(n, n))
     graph = (directed + directed.T).tocsr()
     graph.sort_indices()
-    return torch.from_numpy(relabel[reverse_cuthill_mckee(graph, symmetric_mode=True)].astype(np.int64))
+    return torch.from_numpy(
+        relabel[reverse_cuthill_mckee(graph, symmetric_mode=True)].astype(np.int64)
+    )
 
 
 def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> list[list[int]]:
-    """The N // batch_size consecutive batches of an order. With keys, an item whose key the batch holds already
-    waits (keeping its place in the order) for the next batch; should the order run out before a batch is full
-    (copies of one key at its end), a waiting item trades places with an item of an earlier batch."""
+    """The N // batch_size consecutive batches of an order. With keys, an item whose key the batch
+    holds already waits (keeping its place in the order) for the next batch; should the order run
+    out before a batch is full (copies of one key at its end), a waiting item trades places with an
+    item of an earlier batch."""
     if keys is None:
-        return [order[s:s + batch_size] for s in range(0, len(order) - batch_size + 1, batch_size)]
+        return [
+            order[s : s + batch_size] for s in range(0, len(order) - batch_size + 1, batch_size)
+        ]
     queue, batches = deque(order), []
     for b in range(len(order) // batch_size):
         batch, seen, waiting = [], set(), []
@@ -151,8 +180,11 @@ def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> 
             seen.add(keys[i])
         while len(batch) < batch_size:
             item = _trade(waiting, batches, seen, keys)
-            require(item is not None, f"batch {b} of {len(order) // batch_size} cannot be filled with {batch_size} "
-                    f"distinct keys: too many items share a key for this batch size")
+            require(
+                item is not None,
+                f"batch {b} of {len(order) // batch_size} cannot be filled with {batch_size} "
+                f"distinct keys: too many items share a key for this batch size",
+            )
             batch.append(item)
             seen.add(keys[item])
         queue.extendleft(reversed(waiting))
@@ -160,9 +192,11 @@ def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> 
     return batches
 
 
-def _trade(waiting: list[int], batches: list[list[int]], seen: set, keys: Sequence[Hashable]) -> int | None:
-    """Put a waiting item into an earlier batch that lacks its key, in place of an item whose key is not in
-    `seen`, and return that item (None when no such trade exists)."""
+def _trade(
+    waiting: list[int], batches: list[list[int]], seen: set, keys: Sequence[Hashable]
+) -> int | None:
+    """Put a waiting item into an earlier batch that lacks its key, in place of an item whose key is
+    not in `seen`, and return that item (None when no such trade exists)."""
     for w, i in enumerate(waiting):
         for earlier in batches:
             if keys[i] not in {keys[j] for j in earlier}:
@@ -173,24 +207,36 @@ def _trade(waiting: list[int], batches: list[list[int]], seen: set, keys: Sequen
     return None
 
 
-def gcbs_batches(z1, z2, batch_size: int, *, quantile: float = 0.999, seed: int = 0, epoch: int = 0,
-                 keys: Sequence[Hashable] | None = None) -> torch.Tensor:
+def gcbs_batches(
+    z1,
+    z2,
+    batch_size: int,
+    *,
+    quantile: float = 0.999,
+    seed: int = 0,
+    epoch: int = 0,
+    keys: Sequence[Hashable] | None = None,
+) -> torch.Tensor:
     """One epoch of GCBS batches: a LongTensor [N // batch_size, batch_size] of item indices.
 
-    The GCBS order (relabelling from the stream (seed, epoch, "gcbs-relabel")) cut into consecutive batches,
-    the last short one dropped, with no two equal `keys` (duplicate texts: false negatives) in one batch when
-    keys are given, and the batch order shuffled from (seed, epoch, "gcbs-batch-shuffle")."""
+    The GCBS order (relabelling from the stream (seed, epoch, "gcbs-relabel")) cut into consecutive
+    batches, the last short one dropped, with no two equal `keys` (duplicate texts: false negatives)
+    in one batch when keys are given, and the batch order shuffled from (seed, epoch,
+    "gcbs-batch-shuffle")."""
     _check_batch_size(batch_size, len(z1))
     if keys is not None:
         keys = keys.tolist() if hasattr(keys, "tolist") else list(keys)
         require(len(keys) == len(z1), f"{len(keys)} keys for {len(z1)} items")
     order = gcbs_permutation(z1, z2, quantile, stream_seed(seed, epoch, "gcbs-relabel"))
     batches = torch.tensor(_cut(order.tolist(), batch_size, keys), dtype=torch.long)
-    return batches[torch.randperm(len(batches), generator=generator(seed, epoch, "gcbs-batch-shuffle"))]
+    return batches[
+        torch.randperm(len(batches), generator=generator(seed, epoch, "gcbs-batch-shuffle"))
+    ]
 
 
 def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
-    """Exact L^Global − L^Train of InfoNCE over the consecutive batches of `order` (the last maybe shorter).
+    """Exact L^Global − L^Train of InfoNCE over the consecutive batches of `order` (the last maybe
+    shorter).
 
     With S = ẑ1ẑ2ᵀ and B(i) the batch of item i, the positive terms cancel:
         gap = (1/N) Σ_i [ log Σ_j e^{S_ij/τ} − log Σ_{j∈B(i)} e^{S_ij/τ} ]  ≥ 0.
@@ -202,12 +248,16 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     order = torch.as_tensor(order)
     require(not order.is_floating_point(), f"order must hold integer indices, got {order.dtype}")
     order = order.long().to(u1.device)
-    if order.shape != (n,) or not torch.equal(order.sort().values, torch.arange(n, device=u1.device)):
+    if order.shape != (n,) or not torch.equal(
+        order.sort().values, torch.arange(n, device=u1.device)
+    ):
         raise ValueError(f"order must be a permutation of range({n})")
     batch_of = order.argsort() // batch_size  # item i stands at place argsort[i] of the order
     total, rows = 0.0, max(1, BLOCK_ELEMENTS // n)
     for start in range(0, n, rows):
-        logits = u1[start:start + rows] @ u2.T / temperature
-        outside = batch_of[start:start + rows, None] != batch_of[None, :]
-        total += (logits.logsumexp(1) - logits.masked_fill(outside, -math.inf).logsumexp(1)).sum().item()
+        logits = u1[start : start + rows] @ u2.T / temperature
+        outside = batch_of[start : start + rows, None] != batch_of[None, :]
+        total += (
+            (logits.logsumexp(1) - logits.masked_fill(outside, -math.inf).logsumexp(1)).sum().item()
+        )
     return total / n

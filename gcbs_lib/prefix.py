@@ -1,37 +1,56 @@
-"""PromCSE's deep prefix prompts (P-tuning v2): at every layer l of a frozen encoder, P = `pre_seq_len` trainable
-keys and values per head in front of the sentence's, Attn_l(q) = softmax(q [P_l^K; K_l]ᵀ/√d + [0; mask]) [P_l^V; V_l].
-As in PromCSE, dropout (the backbone's hidden dropout by default) hits the prompt with a mask per example, and the
-prompt enters a transformers BERT as `past_key_values` (a fresh `DynamicCache`), so the positions start at P."""
+"""PromCSE's deep prefix prompts (P-tuning v2): at every layer l of a frozen encoder, P =
+`pre_seq_len` trainable keys and values per head in front of the sentence's, Attn_l(q) = softmax(q
+[P_l^K; K_l]ᵀ/√d + [0; mask]) [P_l^V; V_l]. As in PromCSE, dropout (the backbone's hidden dropout by
+default) hits the prompt with a mask per example, and the prompt enters a transformers BERT as
+`past_key_values` (a fresh `DynamicCache`), so the positions start at P."""
+
 import torch
 from torch import nn
 from transformers import DynamicCache
 
 
 class PrefixPromptedEncoder(nn.Module):
-    """A frozen Hugging Face encoder behind a deep prompt: a drop-in backbone (the same inputs and outputs). Only
-    `prompt` trains: `[layers, 2 (key, value), heads, pre_seq_len, head_dim]`, drawn N(0, 0.02) (the backbone's
-    initializer_range) as in PromCSE. The backbone keeps its train/eval mode: its dropout draws SimCSE's two views."""
+    """A frozen Hugging Face encoder behind a deep prompt: a drop-in backbone (the same inputs and
+    outputs). Only `prompt` trains: `[layers, 2 (key, value), heads, pre_seq_len, head_dim]`, drawn
+    N(0, 0.02) (the backbone's initializer_range) as in PromCSE. The backbone keeps its train/eval
+    mode: its dropout draws SimCSE's two views."""
 
     def __init__(self, backbone: nn.Module, pre_seq_len: int = 16, dropout: float | None = None):
         super().__init__()
         self.backbone, self.config = backbone.requires_grad_(False), backbone.config
         c, dropout = self.config, self.config.hidden_dropout_prob if dropout is None else dropout
         if pre_seq_len < 1 or not 0 <= dropout < 1:
-            raise ValueError(f"need pre_seq_len >= 1 and a prefix dropout in [0, 1), got {pre_seq_len}, {dropout}")
+            raise ValueError(
+                f"need pre_seq_len >= 1 and a prefix dropout in [0, 1), got {pre_seq_len}, "
+                f"{dropout}"
+            )
         head_dim = c.hidden_size // c.num_attention_heads
-        self.prompt = nn.Parameter(torch.randn(c.num_hidden_layers, 2, c.num_attention_heads, pre_seq_len, head_dim)
-                                   .mul(getattr(c, "initializer_range", 0.02)).to(next(backbone.parameters())))
+        self.prompt = nn.Parameter(
+            torch.randn(c.num_hidden_layers, 2, c.num_attention_heads, pre_seq_len, head_dim)
+            .mul(getattr(c, "initializer_range", 0.02))
+            .to(next(backbone.parameters()))
+        )
         self.dropout = nn.Dropout(dropout)
 
     def prefix(self, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One `(keys, values)` per layer, each `[batch, heads, pre_seq_len, head_dim]`, dropout drawn per example."""
+        """One `(keys, values)` per layer, each `[batch, heads, pre_seq_len, head_dim]`, dropout
+        drawn per example."""
         prompt = self.dropout(self.prompt.unsqueeze(2).expand(-1, -1, batch_size, -1, -1, -1))
         return [(layer[0], layer[1]) for layer in prompt]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         if mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attention_mask {tuple(mask.shape)} does not match input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
         mask = torch.cat([mask.new_ones(len(mask), self.prompt.shape[3]), mask], dim=1)
-        return self.backbone(input_ids=input_ids, attention_mask=mask,
-                             past_key_values=DynamicCache(self.prefix(len(input_ids))), **kwargs)
+        return self.backbone(
+            input_ids=input_ids,
+            attention_mask=mask,
+            past_key_values=DynamicCache(self.prefix(len(input_ids))),
+            **kwargs,
+        )

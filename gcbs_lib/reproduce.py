@@ -1,14 +1,17 @@
-"""Run the notebooks headlessly with papermill in one profile, and merge what they measured into one table.
+"""Run the notebooks headlessly with papermill in one profile, and merge what they measured into one
+table.
 
-A profile is a papermill parameter file per notebook, `notebooks/params/<notebook>.<profile>.yaml` (`ci`: the
-defaults). `-p NAME VALUE` (a YAML literal, or the text for a string), `--nproc` and `--backend` go to each
-selected notebook with that parameter, typed like its default; a name none has is refused before anything runs.
-A notebook's `output_dir` (where it trains) is DIR/work/<notebook> unless `-p output_dir` sets it.
-DIR gets the executed notebooks, `figures/` (PNGs named <notebook>_<name> by a cell tag `figure:<name>`, else
-<notebook>_in<execution count>), `results/` (the rows notebooks `record`), and `results.md`
-(their table), and `run.json` (what ran, how, how long). A DIR used before at the same clean commit keeps the
-rows of each notebook run again with the same parameters but `seeds`, so seeds may run in separate invocations:
-rows and seconds (all spent there, retries too) add up; figures show the last invocation. Else its rows go."""
+A profile is a papermill parameter file per notebook, `notebooks/params/<notebook>.<profile>.yaml`
+(`ci`: the defaults). `-p NAME VALUE` (a YAML literal, or the text for a string), `--nproc` and
+`--backend` go to each selected notebook with that parameter, typed like its default; a name none
+has is refused before anything runs. A notebook's `output_dir` (where it trains) is
+DIR/work/<notebook> unless `-p output_dir` sets it. DIR gets the executed notebooks, `figures/`
+(PNGs named <notebook>_<name> by a cell tag `figure:<name>`, else <notebook>_in<execution count>),
+`results/` (the rows notebooks `record`), and `results.md` (their table), and `run.json` (what ran,
+how, how long). A DIR used before at the same clean commit keeps the rows of each notebook run again
+with the same parameters but `seeds`, so seeds may run in separate invocations: rows and seconds
+(all spent there, retries too) add up; figures show the last invocation. Else its rows go."""
+
 import argparse
 import ast
 import base64
@@ -27,40 +30,72 @@ import yaml
 
 from gcbs_lib.check import require
 from gcbs_lib.data import read_json, write_atomic
-from gcbs_lib.results import REPOSITORY, RESULTS_DIR_VARIABLE, build_table, current_commit, read_rows, to_markdown
+from gcbs_lib.results import (
+    REPOSITORY,
+    RESULTS_DIR_VARIABLE,
+    build_table,
+    current_commit,
+    read_rows,
+    to_markdown,
+)
 
 NOTEBOOKS = REPOSITORY / "notebooks"
 
 
 def discover(folder: Path, only: list[str] | None = None) -> dict[Path, dict]:
-    """`{notebook: {parameter: default}}` (by papermill) of `folder`'s `NN_topic.ipynb`, or of those `only` names."""
+    """`{notebook: {parameter: default}}` (by papermill) of `folder`'s `NN_topic.ipynb`, or of those
+    `only` names."""
     paths = sorted(folder.glob("[0-9]*.ipynb"))
-    if (unknown := [t for t in only or [] if not any(t.zfill(2) in (p.stem, p.stem[:2]) for p in paths)]) or not paths:
-        raise ValueError(f"no notebook {' '.join(unknown)} in {folder}; there are {', '.join(p.stem for p in paths)}")
+    if (
+        unknown := [
+            t for t in only or [] if not any(t.zfill(2) in (p.stem, p.stem[:2]) for p in paths)
+        ]
+    ) or not paths:
+        raise ValueError(
+            f"no notebook {' '.join(unknown)} in {folder}; there are "
+            f"{', '.join(p.stem for p in paths)}"
+        )
     chosen = [p for p in paths if not only or any(t.zfill(2) in (p.stem, p.stem[:2]) for t in only)]
-    return {p: {k: ast.literal_eval(v["default"]) for k, v in papermill.inspect_notebook(p).items()} for p in chosen}
+    return {
+        p: {k: ast.literal_eval(v["default"]) for k, v in papermill.inspect_notebook(p).items()}
+        for p in chosen
+    }
 
 
 def typed(value, default, where: str):
-    """`value` if its type is the default's (a float takes an int; a default None takes anything)."""
+    """`value` if its type is the default's (a float takes an int; a default None takes
+    anything)."""
     value = float(value) if isinstance(default, float) and type(value) is int else value
-    require(default is None or type(value) is type(default),
-            f"{where}: {value!r} does not match the type of the default {default!r}")
+    require(
+        default is None or type(value) is type(default),
+        f"{where}: {value!r} does not match the type of the default {default!r}",
+    )
     return value
 
 
-def plan(notebooks: dict[Path, dict], profile: str, overrides: dict[str, tuple]) -> dict[Path, dict]:
-    """Each notebook's papermill parameters: the profile's name and file, then the `overrides` it has (name ->
-    (YAML value, text, flag)). ValueError on a name no notebook has, or a value of the wrong type."""
-    if unknown := [name for name in overrides if not any(name in values for values in notebooks.values())]:
-        valid = "\n".join(f"  {path.stem}: {', '.join(values)}" for path, values in notebooks.items())
-        raise ValueError(f"{' '.join(overrides[n][2] for n in unknown)}: no selected notebook has a parameter "
-                         f"named {', '.join(map(repr, unknown))}; nothing was run. Valid parameters:\n{valid}")
+def plan(
+    notebooks: dict[Path, dict], profile: str, overrides: dict[str, tuple]
+) -> dict[Path, dict]:
+    """Each notebook's papermill parameters: the profile's name and file, then the `overrides` it
+    has (name -> (YAML value, text, flag)). ValueError on a name no notebook has, or a value of the
+    wrong type."""
+    if unknown := [
+        name for name in overrides if not any(name in values for values in notebooks.values())
+    ]:
+        valid = "\n".join(
+            f"  {path.stem}: {', '.join(values)}" for path, values in notebooks.items()
+        )
+        raise ValueError(
+            f"{' '.join(overrides[n][2] for n in unknown)}: no selected notebook has a parameter "
+            f"named {', '.join(map(repr, unknown))}; nothing was run. Valid parameters:\n{valid}"
+        )
     plans = {}
     for path, values in notebooks.items():
         plans[path] = {"profile": profile} if "profile" in values else {}
         profile_file = path.parent / "params" / f"{path.stem}.{profile}.yaml"
-        for name, value in (yaml.safe_load(profile_file.read_text()) or {} if profile_file.exists() else {}).items():
+        for name, value in (
+            yaml.safe_load(profile_file.read_text()) or {} if profile_file.exists() else {}
+        ).items():
             require(name in values, f"{profile_file}: {name!r} is not a parameter of {path.stem}")
             plans[path][name] = typed(value, values[name], f"{profile_file} {name}")
         for name, (value, text, flag) in overrides.items():
@@ -71,29 +106,55 @@ def plan(notebooks: dict[Path, dict], profile: str, overrides: dict[str, tuple])
 
 
 def save_figures(executed: Path, folder: Path) -> None:
-    """Write the executed notebook's PNG outputs into `folder`, named as the module docstring says."""
+    """Write the executed notebook's PNG outputs into `folder`, named as the module docstring
+    says."""
     for cell in nbformat.read(executed, as_version=4).cells:
-        images = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-        names = [t.removeprefix("figure:") for t in cell.metadata.get("tags", []) if t.startswith("figure:")]
+        images = [
+            o["data"]["image/png"]
+            for o in cell.get("outputs", [])
+            if "image/png" in o.get("data", {})
+        ]
+        names = [
+            t.removeprefix("figure:")
+            for t in cell.metadata.get("tags", [])
+            if t.startswith("figure:")
+        ]
         stem = f"{executed.stem}_{names[0] if names else 'in' + str(cell.get('execution_count'))}"
         for k, image in enumerate(images, 1):
-            (folder / (f"{stem}_{k}.png" if len(images) > 1 else f"{stem}.png")).write_bytes(base64.b64decode(image))
+            (folder / (f"{stem}_{k}.png" if len(images) > 1 else f"{stem}.png")).write_bytes(
+                base64.b64decode(image)
+            )
 
 
 def execute(notebook: Path, parameters: dict, out: Path, prepare_only: bool = False) -> dict:
-    """Run one notebook into `out` with papermill (kernel python3, in the notebook's folder); what happened."""
+    """Run one notebook into `out` with papermill (kernel python3, in the notebook's folder); what
+    happened."""
     start, executed = time.monotonic(), out / notebook.name
-    outcome = {"parameters": parameters, "status": "prepared" if prepare_only else "ok", "error": ""}
+    outcome = {
+        "parameters": parameters,
+        "status": "prepared" if prepare_only else "ok",
+        "error": "",
+    }
     source = nbformat.read(notebook, as_version=4)
     for cell in source.cells:  # without the committed outputs, also in a prepared copy
         cell.update({"outputs": [], "execution_count": None} if cell.cell_type == "code" else {})
     try:
-        papermill.execute_notebook(source, executed, parameters=parameters, kernel_name="python3",
-                                   cwd=notebook.parent, prepare_only=prepare_only)
+        papermill.execute_notebook(
+            source,
+            executed,
+            parameters=parameters,
+            kernel_name="python3",
+            cwd=notebook.parent,
+            prepare_only=prepare_only,
+        )
     except papermill.PapermillExecutionError as error:
-        outcome.update(status="failed", error=f"cell In [{error.exec_count}] (starts "
-                       f"`{error.source.partition(chr(10))[0]}`): {error.ename}: {error.evalue}")
-    except Exception as error:  # the kernel died or would not start: report it, go on with the others
+        outcome.update(
+            status="failed",
+            error=f"cell In [{error.exec_count}] (starts "
+            f"`{error.source.partition(chr(10))[0]}`): {error.ename}: {error.evalue}",
+        )
+    # the kernel died or would not start: report it, go on with the others
+    except Exception as error:
         outcome.update(status="failed", error=f"{type(error).__name__}: {error}")
     if executed.exists() and not prepare_only:
         save_figures(executed, out / "figures")
@@ -101,18 +162,42 @@ def execute(notebook: Path, parameters: dict, out: Path, prepare_only: bool = Fa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gcbs_lib.reproduce", description=__doc__.split("\n")[0],
-                                     epilog="\n".join(__doc__.split("\n")[2:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", choices=("ci", "cpu", "paper"), default="ci", help="default: ci")
-    parser.add_argument("--only", nargs="+", metavar="NN", help="run only these notebooks (number or name)")
-    parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                        help="set a parameter in every notebook that has it")
-    parser.add_argument("--nproc", type=int, help="ranks for the notebooks that launch them (parameter nproc)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), help="process-group backend (parameter backend)")
-    parser.add_argument("--output-dir", type=Path, help="where to write (default: runs/<timestamp>/)")
-    parser.add_argument("--fail-fast", action="store_true", help="stop at the first failing notebook")
-    parser.add_argument("--prepare-only", action="store_true", help="inject the parameters, execute nothing")
+    parser = argparse.ArgumentParser(
+        prog="python -m gcbs_lib.reproduce",
+        description=__doc__.split("\n")[0],
+        epilog="\n".join(__doc__.split("\n")[2:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--profile", choices=("ci", "cpu", "paper"), default="ci", help="default: ci"
+    )
+    parser.add_argument(
+        "--only", nargs="+", metavar="NN", help="run only these notebooks (number or name)"
+    )
+    parser.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="set a parameter in every notebook that has it",
+    )
+    parser.add_argument(
+        "--nproc", type=int, help="ranks for the notebooks that launch them (parameter nproc)"
+    )
+    parser.add_argument(
+        "--backend", choices=("gloo", "nccl"), help="process-group backend (parameter backend)"
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, help="where to write (default: runs/<timestamp>/)"
+    )
+    parser.add_argument(
+        "--fail-fast", action="store_true", help="stop at the first failing notebook"
+    )
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="inject the parameters, execute nothing"
+    )
     args = parser.parse_args(argv)
     out = args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if args.nproc is not None and args.nproc < 1:
@@ -120,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         parser.error(f"--output-dir {out} is a file, not a folder")
     try:
-        overrides = {name: (yaml.safe_load(text), text, f"-p {name}") for name, text in args.parameter}
-        overrides |= {k: (v, v, f"--{k}") for k, v in (("nproc", args.nproc), ("backend", args.backend)) if v}
+        overrides = {
+            name: (yaml.safe_load(text), text, f"-p {name}") for name, text in args.parameter
+        }
+        overrides |= {
+            k: (v, v, f"--{k}") for k, v in (("nproc", args.nproc), ("backend", args.backend)) if v
+        }
         plans = plan(notebooks := discover(NOTEBOOKS, args.only), args.profile, overrides)
     except (ValueError, yaml.YAMLError) as error:  # a usage error: nothing was run
         parser.error(str(error))
@@ -130,35 +219,76 @@ def main(argv: list[str] | None = None) -> int:
             parameters["output_dir"] = str((out / "work" / notebook.stem).resolve())
     command = "python -m gcbs_lib.reproduce " + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = current_commit()
-    pinned = not args.prepare_only and "+dirty" not in commit and commit != "unknown"  # code a commit names
+    # code a commit names
+    pinned = not args.prepare_only and "+dirty" not in commit and commit != "unknown"
     earlier = read_json(out / "run.json") if pinned and (out / "run.json").exists() else {}
-    kept = {p.stem: n for p, parameters in plans.items() if earlier.get("commit") == commit
-            and (n := earlier["notebooks"].get(p.stem, {})).get("status") in ("ok", "failed")
-            and {**n["parameters"], "seeds": None} == {**parameters, "seeds": None}}  # seeds may differ
-    shutil.rmtree(out / "figures", ignore_errors=True)  # a folder used before: its figures go, and its rows
-    for stale in set(out.glob("results/*.json")) - {out / f"results/{s}.json" for s in kept}:  # unless kept
+    kept = {
+        p.stem: n
+        for p, parameters in plans.items()
+        if earlier.get("commit") == commit
+        and (n := earlier["notebooks"].get(p.stem, {})).get("status") in ("ok", "failed")
+        # seeds may differ
+        and {**n["parameters"], "seeds": None} == {**parameters, "seeds": None}
+    }
+    # a folder used before: its figures go, and its rows
+    shutil.rmtree(out / "figures", ignore_errors=True)
+    # unless kept
+    for stale in set(out.glob("results/*.json")) - {out / f"results/{s}.json" for s in kept}:
         stale.unlink()
     (out / "figures").mkdir(parents=True)
-    run = {"command": f"{earlier['command']} && {command}" if kept else command, "commit": commit,
-           "profile": args.profile, "cores": os.cpu_count(), "notebooks": dict(kept),  # kept: until each runs again
-           "load_average": round(os.getloadavg()[0], 1),  # other work on the machine slows what notebooks time
-           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    run = {
+        "command": f"{earlier['command']} && {command}" if kept else command,
+        "commit": commit,
+        # kept: until each runs again
+        "profile": args.profile,
+        "cores": os.cpu_count(),
+        "notebooks": dict(kept),
+        # other work on the machine slows what notebooks time
+        "load_average": round(os.getloadavg()[0], 1),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):
         for notebook, parameters in plans.items():
-            run["notebooks"][notebook.stem] = outcome = execute(notebook, parameters, out, args.prepare_only)
-            outcome["seconds"] = round(outcome["seconds"] + kept.get(notebook.stem, {}).get("seconds", 0), 1)
-            print(f"{outcome['status']:>8}  {notebook.stem}  {outcome['seconds']:.0f} s  {outcome['error']}")
+            run["notebooks"][notebook.stem] = outcome = execute(
+                notebook, parameters, out, args.prepare_only
+            )
+            outcome["seconds"] = round(
+                outcome["seconds"] + kept.get(notebook.stem, {}).get("seconds", 0), 1
+            )
+            print(
+                f"{outcome['status']:>8}  {notebook.stem}  {outcome['seconds']:.0f} s  "
+                f"{outcome['error']}"
+            )
             write_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
             if args.fail_fast and outcome["status"] == "failed":
                 break
-    lines = build_table([row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)], run["commit"])
-    tables = [f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
-              for name in dict.fromkeys(line.experiment for line in lines)]  # one table per experiment
-    smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n" if args.profile == "ci" else ""
-    write_atomic(out / "results.md", f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n" + "\n".join(tables))
-    failed = [f"FAILED {name}: {n['error']}\n    see {out / name}.ipynb" for name, n in run["notebooks"].items()
-              if n["status"] == "failed"]
-    print("\n".join([f"results.md and figures/ in {out}/", *failed]), file=sys.stderr if failed else None)
+    lines = build_table(
+        [row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)],
+        run["commit"],
+    )
+    tables = [
+        f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
+        # one table per experiment
+        for name in dict.fromkeys(line.experiment for line in lines)
+    ]
+    smoke = (
+        "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n"
+        if args.profile == "ci"
+        else ""
+    )
+    write_atomic(
+        out / "results.md",
+        f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n" + "\n".join(tables),
+    )
+    failed = [
+        f"FAILED {name}: {n['error']}\n    see {out / name}.ipynb"
+        for name, n in run["notebooks"].items()
+        if n["status"] == "failed"
+    ]
+    print(
+        "\n".join([f"results.md and figures/ in {out}/", *failed]),
+        file=sys.stderr if failed else None,
+    )
     return 1 if failed else 0
 
 

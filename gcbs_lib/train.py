@@ -1,16 +1,19 @@
-"""One training loop for every experiment, in nanoGPT's shape: plan the epoch, collate, step, log, evaluate, save.
-`train(load_config("codesearch", "ci", {"sampler": "gcbs"}), "runs/x")`, or the command (also under torchrun):
-`python -m gcbs_lib.train --experiment codesearch --profile ci --output-dir runs/x --sampler gcbs --set lr=1e-4`.
-Rank r's loss is its share of the global loss (notebook 02), through GradCache with `chunk_size`. Random streams
-come from `seeding.stream_seed`, the global one reseeded at each step: a rerun resumes bitwise from checkpoint.pt."""
+"""One training loop for every experiment, in nanoGPT's shape: plan the epoch, collate, step, log,
+evaluate, save. `train(load_config("codesearch", "ci", {"sampler": "gcbs"}), "runs/x")`, or the
+command (also under torchrun): `python -m gcbs_lib.train --experiment codesearch --profile ci
+--output-dir runs/x --sampler gcbs --set lr=1e-4`. Rank r's loss is its share of the global loss
+(notebook 02), through GradCache with `chunk_size`. Random streams come from `seeding.stream_seed`,
+the global one reseeded at each step: a rerun resumes bitwise from checkpoint.pt."""
+
 import argparse
 import contextlib
 import hashlib
 import json
 import os
 import time
-from datetime import timedelta
 from dataclasses import asdict, dataclass
+from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -25,55 +28,86 @@ from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, 
 from gcbs_lib.data import write_atomic
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-STATE = ("step", "epoch", "position", "plan", "best", "log_lines")  # where a run is, beside its tensors
-RESUMABLE = {"checkpoint_every", "eval_every", "progress", "device", "sync_check_every", "sync_tolerance"}
+# where a run is, beside its tensors
+STATE = ("step", "epoch", "position", "plan", "best", "log_lines")
+RESUMABLE = {
+    "checkpoint_every",
+    "eval_every",
+    "progress",
+    "device",
+    "sync_check_every",
+    "sync_tolerance",
+}
 
 
 @dataclass
 class TrainConfig:
-    """Everything a run depends on; the experiment's own settings are `options` (its `Options` dataclass)."""
+    """Everything a run depends on; the experiment's own settings are `options` (its `Options`
+    dataclass)."""
+
     experiment: str
     profile: str = "ci"
     seed: int = 0
     sampler: Literal["random", "gcbs", "hard_negatives"] = "random"
-    arm: str | None = None                 # result rows' arm (default: the sampler's name)
-    device: str = "cpu"                    # "cpu" or "cuda" (each DDP rank takes cuda:LOCAL_RANK)
-    batch_size: int = 64                   # global: all ranks together
-    chunk_size: int | None = None          # GradCache chunk per rank; None: one plain forward and backward
+    arm: str | None = None  # result rows' arm (default: the sampler's name)
+    device: str = "cpu"  # "cpu" or "cuda" (each DDP rank takes cuda:LOCAL_RANK)
+    batch_size: int = 64  # global: all ranks together
+    # GradCache chunk per rank; None: one plain forward and backward
+    chunk_size: int | None = None
     epochs: int = 1
-    max_steps: int | None = None           # stop (and end the schedule) earlier than `epochs` would
+    max_steps: int | None = None  # stop (and end the schedule) earlier than `epochs` would
     lr: float = 2e-5
     weight_decay: float = 0.0
     optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: with momentum 0.9 (its weight decay is L2)
-    schedule: Literal["linear", "cosine", "constant"] = "linear"  # after `warmup_steps` of linear warmup
+    # after `warmup_steps` of linear warmup
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
     warmup_steps: int = 0
     clip_norm: float | None = 1.0
-    dtype: Literal["float32", "float64"] = "float32"  # parameters' dtype (float64: exact comparisons in tests)
-    scale: float = 20.0                    # logit scale 1/τ (the start value when learnable)
+    # parameters' dtype (float64: exact comparisons in tests)
+    dtype: Literal["float32", "float64"] = "float32"
+    scale: float = 20.0  # logit scale 1/τ (the start value when learnable)
     learnable_scale: bool = False
     max_scale: float = 100.0
     gcbs_quantile: float = 0.999
-    mine_top_k: int = 30                   # mining: candidates per query
-    mine_skip: int = 3                     # mining: top ranks skipped as likely false negatives
+    mine_top_k: int = 30  # mining: candidates per query
+    mine_skip: int = 3  # mining: top ranks skipped as likely false negatives
     embed_batch_size: int = 256
-    log_loss_gap: bool = True              # log the loss gap of each epoch's planned batches
-    eval_every: int = 0                    # dev evaluation every N steps (0: at each epoch end only)
+    log_loss_gap: bool = True  # log the loss gap of each epoch's planned batches
+    # dev evaluation every N steps (0: at each epoch end only)
+    eval_every: int = 0
     checkpoint_every: int = 100
-    sync_check_every: int = 0              # DDP: compare parameters and gradients across ranks every N steps
-    sync_tolerance: float = 0.0            # the largest difference between ranks the sync check accepts
+    # DDP: compare parameters and gradients across ranks every N steps
+    sync_check_every: int = 0
+    # the largest difference between ranks the sync check accepts
+    sync_tolerance: float = 0.0
     progress: bool = True
-    options: Any = None                    # the experiment's Options (filled by `load_config`)
+    options: Any = None  # the experiment's Options (filled by `load_config`)
 
     def __post_init__(self):
-        positive = ("batch_size", "epochs", "embed_batch_size", "checkpoint_every", "chunk_size", "max_steps", "lr",
-                    "clip_norm", "scale", "max_scale")
-        if wrong := [key for key in positive if getattr(self, key) is not None and not getattr(self, key) > 0]:
+        positive = (
+            "batch_size",
+            "epochs",
+            "embed_batch_size",
+            "checkpoint_every",
+            "chunk_size",
+            "max_steps",
+            "lr",
+            "clip_norm",
+            "scale",
+            "max_scale",
+        )
+        if wrong := [
+            key for key in positive if getattr(self, key) is not None and not getattr(self, key) > 0
+        ]:
             raise ValueError(f"{', '.join(wrong)} must be positive")
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """`value` (typed, or a `--set` string read as yaml) as the field type `annotation`, or a clear error."""
-    choices = (get_args(annotation) if get_origin(annotation) is not Literal else ()) or (annotation,)
+    """`value` (typed, or a `--set` string read as yaml) as the field type `annotation`, or a clear
+    error."""
+    choices = (get_args(annotation) if get_origin(annotation) is not Literal else ()) or (
+        annotation,
+    )
     parsed = yaml.safe_load(value) if isinstance(value, str) and value.strip() else value
     if type(None) in choices and (parsed is None or parsed in ("none", "None")):
         return None
@@ -85,46 +119,77 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if choice is float and type(parsed) in (int, float, str):
             with contextlib.suppress(ValueError):
                 return float(parsed)  # yaml reads 3e-5 as a string
-    name = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+    name = (
+        annotation.__name__
+        if isinstance(annotation, type)
+        else str(annotation).replace("typing.", "")
+    )
     raise ValueError(f"{key} must be {name}, got {value!r}")
 
 
-def load_config(experiment: str, profile: str = "ci", overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """The config of `experiment`: the `common`, then the `profile` section of `configs/<experiment>.yaml`, then
-    `overrides` (typed values or `--set` strings), as `TrainConfig` fields and the experiment's `Options` fields."""
+def load_config(
+    experiment: str, profile: str = "ci", overrides: dict[str, Any] | None = None
+) -> TrainConfig:
+    """The config of `experiment`: the `common`, then the `profile` section of
+    `configs/<experiment>.yaml`, then `overrides` (typed values or `--set` strings), as
+    `TrainConfig` fields and the experiment's `Options` fields."""
     options_class = experiments.get(experiment).Options
     sections = yaml.safe_load((CONFIG_DIR / f"{experiment}.yaml").read_text())
     if profile not in sections or profile == "common":
-        raise ValueError(f"unknown profile {profile!r} for {experiment}; known: {sorted(set(sections) - {'common'})}")
-    train_types = {k: v for k, v in get_type_hints(TrainConfig).items() if k not in ("experiment", "options")}
+        raise ValueError(
+            f"unknown profile {profile!r} for {experiment}; known: "
+            f"{sorted(set(sections) - {'common'})}"
+        )
+    train_types = {
+        k: v for k, v in get_type_hints(TrainConfig).items() if k not in ("experiment", "options")
+    }
     types, values = {**get_type_hints(options_class), **train_types}, {}
-    for key, value in {**(sections.get("common") or {}), **(sections[profile] or {}), "profile": profile,
-                       **(overrides or {})}.items():
+    for key, value in {
+        **(sections.get("common") or {}),
+        **(sections[profile] or {}),
+        "profile": profile,
+        **(overrides or {}),
+    }.items():
         if key not in types:
-            raise KeyError(f"unknown config key {key!r}; training keys: {', '.join(sorted(train_types))}; "
-                           f"{experiment} keys: {', '.join(sorted(set(types) - set(train_types)))}")
+            raise KeyError(
+                f"unknown config key {key!r}; training keys: {', '.join(sorted(train_types))}; "
+                f"{experiment} keys: {', '.join(sorted(set(types) - set(train_types)))}"
+            )
         values[key] = _coerce(key, value, types[key])
     options = options_class(**{k: v for k, v in values.items() if k not in train_types})
-    return TrainConfig(experiment, options=options, **{k: v for k, v in values.items() if k in train_types})
+    return TrainConfig(
+        experiment, options=options, **{k: v for k, v in values.items() if k in train_types}
+    )
 
 
 def code_fingerprint() -> dict:
-    """The sha256 of the package's code and profiles (files sorted by path), its commit (`git describe`), now."""
-    code = b"".join(p.read_bytes() for p in sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")]))
-    return {"sha256": hashlib.sha256(code).hexdigest(), "commit": results.current_commit(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    """The sha256 of the package's code and profiles (files sorted by path), its commit (`git
+    describe`), now."""
+    code = b"".join(
+        p.read_bytes()
+        for p in sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")])
+    )
+    return {
+        "sha256": hashlib.sha256(code).hexdigest(),
+        "commit": results.current_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """A checkpoint written by `train`, on the CPU, tensors and plain containers only (`weights_only`)."""
+    """A checkpoint written by `train`, on the CPU, tensors and plain containers only
+    (`weights_only`)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a corrupt file raises one of many kinds
-        raise ValueError(f"{path} is unreadable ({error!r}): delete it, or use another output directory") from None
+        raise ValueError(
+            f"{path} is unreadable ({error!r}): delete it, or use another output directory"
+        ) from None
 
 
 class TrainingDiverged(FloatingPointError):
-    """A non-finite loss or gradient norm: the run stops before the broken state reaches a checkpoint."""
+    """A non-finite loss or gradient norm: the run stops before the broken state reaches a
+    checkpoint."""
 
 
 class RanksOutOfSync(RuntimeError):
@@ -137,66 +202,125 @@ class Trainer:
     def __init__(self, config: TrainConfig, output_dir: str | Path):
         self.config, self.dir = config, Path(output_dir)
         if self.dir.exists() and not self.dir.is_dir():
-            raise ValueError(f"output directory {self.dir} is a file: name a folder (made if missing)")
+            raise ValueError(
+                f"output directory {self.dir} is a file: name a folder (made if missing)"
+            )
         self.rank, self.world_size = distributed.rank_and_world_size()
         self.main, part = self.rank == 0, config.batch_size // self.world_size
-        self.rows = slice(self.rank * part, (self.rank + 1) * part)  # this rank's rows of each global batch
-        self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if config.device == "cuda" else "cpu")
+        # this rank's rows of each global batch
+        self.rows = slice(self.rank * part, (self.rank + 1) * part)
+        self.device = torch.device(
+            f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if config.device == "cuda" else "cpu"
+        )
         if self.device.type == "cuda":  # under DDP, a GPU per rank
             torch.cuda.set_device(self.device)
-        self.experiment = experiments.get(config.experiment)(config.options, seed=config.seed, device=self.device)
+        self.experiment = experiments.get(config.experiment)(
+            config.options, seed=config.seed, device=self.device
+        )
         self.train_set = self.experiment.load_data()
         self.steps_per_epoch = (n := self.train_set.size) // config.batch_size
-        self.total_steps = min(config.epochs * self.steps_per_epoch, config.max_steps or float("inf"))
+        self.total_steps = min(
+            config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
+        )
         if config.batch_size % self.world_size or not self.total_steps:
-            raise ValueError(f"batch_size {config.batch_size} must divide over {self.world_size} ranks and be ≤ {n}")
+            raise ValueError(
+                f"batch_size {config.batch_size} must divide over {self.world_size} ranks and be "
+                f"≤ {n}"
+            )
         if config.sampler == "hard_negatives" and not self.experiment.supports_mining:
             raise ValueError(f"experiment {config.experiment!r} does not take mined negatives")
         torch.manual_seed(seeding.stream_seed(config.seed, 0, "init"))
         dtype = getattr(torch, config.dtype)
         self.model = self.experiment.build_model().to(self.device, dtype)
-        self.scale = (losses.LogitScale(config.scale, config.max_scale).to(self.device, dtype)
-                      if config.learnable_scale else config.scale)
-        self.stateful = {"model": self.model, **({"scale": self.scale} if config.learnable_scale else {})}
-        self.parameters = [p for part in self.stateful.values() for p in part.parameters() if p.requires_grad]
+        self.scale = (
+            losses.LogitScale(config.scale, config.max_scale).to(self.device, dtype)
+            if config.learnable_scale
+            else config.scale
+        )
+        self.stateful = {
+            "model": self.model,
+            **({"scale": self.scale} if config.learnable_scale else {}),
+        }
+        self.parameters = [
+            p for part in self.stateful.values() for p in part.parameters() if p.requires_grad
+        ]
         modules = self.experiment.branches(self.model)  # each distinct trainable one goes in DDP
         inside = {id(p) for module in modules for p in module.parameters()}
-        self.outside_ddp = [p for p in self.parameters if id(p) not in inside]  # their gradients: all_reduce_gradients
+        # their gradients: all_reduce_gradients
+        self.outside_ddp = [p for p in self.parameters if id(p) not in inside]
         ids = [self.device.index] if self.device.type == "cuda" else None
-        wrapped = {id(m): DistributedDataParallel(m, device_ids=ids) for m in {id(m): m for m in modules}.values()
-                   if self.world_size > 1 and any(p.requires_grad for p in m.parameters())}
+        wrapped = {
+            id(m): DistributedDataParallel(m, device_ids=ids)
+            for m in {id(m): m for m in modules}.values()
+            if self.world_size > 1 and any(p.requires_grad for p in m.parameters())
+        }
         self.branch_modules = [wrapped.get(id(m), m) for m in modules]
-        make, extra = (torch.optim.SGD, {"momentum": 0.9}) if config.optimizer == "sgd" else (torch.optim.AdamW, {})
-        self.optimizer = make(self.parameters, lr=config.lr, weight_decay=config.weight_decay, **extra)
-        self.scheduler = get_scheduler("constant_with_warmup" if config.schedule == "constant" else config.schedule,
-                                       self.optimizer, config.warmup_steps, self.total_steps)
-        self.stateful.update(optimizer=self.optimizer, scheduler=self.scheduler)  # what checkpoint.pt restores
-        self.step, self.epoch, self.position, self.plan, self.best, self.log_lines = 0, 0, 0, None, {"value": None}, 0
+        make, extra = (
+            (torch.optim.SGD, {"momentum": 0.9})
+            if config.optimizer == "sgd"
+            else (torch.optim.AdamW, {})
+        )
+        self.optimizer = make(
+            self.parameters, lr=config.lr, weight_decay=config.weight_decay, **extra
+        )
+        self.scheduler = get_scheduler(
+            "constant_with_warmup" if config.schedule == "constant" else config.schedule,
+            self.optimizer,
+            config.warmup_steps,
+            self.total_steps,
+        )
+        # what checkpoint.pt restores
+        self.stateful.update(optimizer=self.optimizer, scheduler=self.scheduler)
+        self.step, self.epoch, self.position, self.plan, self.best, self.log_lines = (
+            0,
+            0,
+            0,
+            None,
+            {"value": None},
+            0,
+        )
 
     def fit(self) -> dict | None:
-        """Resume; plan each epoch, then collate, step, log, evaluate, checkpoint; score best.pt; rank 0's summary."""
+        """Resume; plan each epoch, then collate, step, log, evaluate, checkpoint; score best.pt;
+        rank 0's summary."""
         config = self.config
         self.dir.mkdir(parents=True, exist_ok=True)
         self._resume()
         if self.main and self.step == 0:  # the untrained model: the dev curve's first point
             self._evaluate_dev()
-        for _ in tqdm(range(self.step, self.total_steps), disable=not (config.progress and self.main)):
+        for _ in tqdm(
+            range(self.step, self.total_steps), disable=not (config.progress and self.main)
+        ):
             if self.plan is None or self.position == self.steps_per_epoch:  # a new epoch
                 self.epoch, self.position = self.epoch + (self.plan is not None), 0
                 self.plan = self._plan_epoch()
-            torch.manual_seed(seeding.stream_seed(config.seed, self.epoch, f"dropout/rank{self.rank}/step{self.step}"))
-            rows = [None if part is None else part[self.position, self.rows].tolist() for part in self.plan.values()]
-            record = self._train_step(self.experiment.collate(*rows))  # this rank's items (and their negatives)
+            torch.manual_seed(
+                seeding.stream_seed(
+                    config.seed, self.epoch, f"dropout/rank{self.rank}/step{self.step}"
+                )
+            )
+            rows = [
+                None if part is None else part[self.position, self.rows].tolist()
+                for part in self.plan.values()
+            ]
+            # this rank's items (and their negatives)
+            record = self._train_step(self.experiment.collate(*rows))
             self.step, self.position = self.step + 1, self.position + 1
             self._log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
             done = self.step == self.total_steps
-            if self.main and (config.eval_every and self.step % config.eval_every == 0 or done
-                              or self.position == self.steps_per_epoch):
+            if self.main and (
+                config.eval_every
+                and self.step % config.eval_every == 0
+                or done
+                or self.position == self.steps_per_epoch
+            ):
                 self._evaluate_dev()
             if self.main and (self.step % config.checkpoint_every == 0 or done):
-                state = {k: getattr(self, k) for k in STATE} | {k: v.state_dict() for k, v in self.stateful.items()}
+                state = {k: getattr(self, k) for k in STATE} | {
+                    k: v.state_dict() for k, v in self.stateful.items()
+                }
                 state.update(config=asdict(config), code=self.code)
-                write_atomic(self.dir / "checkpoint.pt", lambda file: torch.save(state, file))
+                write_atomic(self.dir / "checkpoint.pt", partial(torch.save, state))
         return self._summary() if self.main else None
 
     def _evaluate_dev(self) -> None:
@@ -207,32 +331,71 @@ class Trainer:
             self.best = {"value": value, "step": self.step}
             saved = {"model": self.model.state_dict(), **self.best}
             write_atomic(self.dir / "best.pt", lambda file: torch.save(saved, file))
-        self._log({"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores})
+        self._log(
+            {"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores}
+        )
 
     def _plan_epoch(self) -> dict:
-        """Each rank embeds its share of the training set; rank 0 plans the epoch's batches on the device and logs
-        their cost and loss gap; every rank receives the plan."""
+        """Each rank embeds its share of the training set; rank 0 plans the epoch's batches on the
+        device and logs their cost and loss gap; every rank receives the plan."""
         config, b, plan, (n, keys) = self.config, self.config.batch_size, [None], self.train_set
         start, negatives = time.perf_counter(), None
-        if config.sampler != "random" or config.log_loss_gap:  # one embedding of the training set serves both
+        # one embedding of the training set serves both
+        if config.sampler != "random" or config.log_loss_gap:
             share = torch.arange(n).tensor_split(self.world_size)[self.rank]
-            pairs = self._in_eval_mode(lambda model: [self.experiment.pair_embeddings(model, items) for items in
-                                                      share.split(config.embed_batch_size)])
-            z1, z2 = (distributed.gather_ragged(torch.cat([pair[i].float() for pair in pairs])) for i in (0, 1))
+            pairs = self._in_eval_mode(
+                lambda model: [
+                    self.experiment.pair_embeddings(model, items)
+                    for items in share.split(config.embed_batch_size)
+                ]
+            )
+            z1, z2 = (
+                distributed.gather_ragged(torch.cat([pair[i].float() for pair in pairs]))
+                for i in (0, 1)
+            )
         embedded = time.perf_counter()
         if self.main:
-            shuffle, mine = (seeding.generator(config.seed, self.epoch, purpose) for purpose in ("shuffle", "mining"))
+            shuffle, mine = (
+                seeding.generator(config.seed, self.epoch, purpose)
+                for purpose in ("shuffle", "mining")
+            )
             order = torch.randperm(n, generator=shuffle)
-            batches = order[: self.steps_per_epoch * b].view(-1, b) if config.sampler != "gcbs" else gcbs.gcbs_batches(
-                z1, z2, b, quantile=config.gcbs_quantile, seed=config.seed, epoch=self.epoch, keys=keys)
+            batches = (
+                order[: self.steps_per_epoch * b].view(-1, b)
+                if config.sampler != "gcbs"
+                else gcbs.gcbs_batches(
+                    z1,
+                    z2,
+                    b,
+                    quantile=config.gcbs_quantile,
+                    seed=config.seed,
+                    epoch=self.epoch,
+                    keys=keys,
+                )
+            )
             if config.sampler == "hard_negatives":
-                negatives = mining.mine_hard_negatives(z1, z2, batches, top_k=config.mine_top_k, skip=config.mine_skip,
-                                                       keys=keys, generator=mine)
-            record = {"kind": "epoch", "epoch": self.epoch, "step": self.step, "sampler": config.sampler,
-                      "embed_seconds": embedded - start, "sampler_seconds": time.perf_counter() - embedded}
+                negatives = mining.mine_hard_negatives(
+                    z1,
+                    z2,
+                    batches,
+                    top_k=config.mine_top_k,
+                    skip=config.mine_skip,
+                    keys=keys,
+                    generator=mine,
+                )
+            record = {
+                "kind": "epoch",
+                "epoch": self.epoch,
+                "step": self.step,
+                "sampler": config.sampler,
+                "embed_seconds": embedded - start,
+                "sampler_seconds": time.perf_counter() - embedded,
+            }
             if config.log_loss_gap:
                 items = batches.reshape(-1)
-                record["loss_gap"] = gcbs.loss_gap(z1[items], z2[items], torch.arange(len(items)), b, 1 / self._scale())
+                record["loss_gap"] = gcbs.loss_gap(
+                    z1[items], z2[items], torch.arange(len(items)), b, 1 / self._scale()
+                )
             self._log(record)
             plan = [{"batches": batches, "negatives": negatives}]
         if self.world_size > 1:
@@ -240,29 +403,42 @@ class Trainer:
         return plan[0]
 
     def _train_step(self, batch: experiments.Batch) -> dict:
-        """Forward and backward (through GradCache with `chunk_size`), gradient all-reduce, clip, optimizer step."""
+        """Forward and backward (through GradCache with `chunk_size`), gradient all-reduce, clip,
+        optimizer step."""
         config, start = self.config, time.perf_counter()
         batch = experiments.Batch(*experiments.to_device([batch.inputs, batch.extra], self.device))
         loss_fn = lambda *embeddings: self.experiment.loss(embeddings, batch, self.scale)  # noqa: E731
         if config.chunk_size is not None:
-            loss = gradcache.cached_loss(loss_fn, self.branch_modules, batch.inputs, config.chunk_size)
+            loss = gradcache.cached_loss(
+                loss_fn, self.branch_modules, batch.inputs, config.chunk_size
+            )
         else:
             loss = loss_fn(*[module(x) for module, x in zip(self.branch_modules, batch.inputs)])
-        global_loss = distributed.gather_with_grad(loss.detach().double().reshape(1)).mean()  # over the ranks' shares
+        # over the ranks' shares
+        global_loss = distributed.gather_with_grad(loss.detach().double().reshape(1)).mean()
         loss.backward()
         distributed.all_reduce_gradients(self.outside_ddp)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_norm or float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.parameters, config.clip_norm or float("inf")
+        )
         for what, value in (("the loss", global_loss), ("the gradient norm", grad_norm)):
-            if not torch.isfinite(value):  # nothing changed yet: the last checkpoint holds the last good state
-                raise TrainingDiverged(f"{what} is not finite at step {self.step + 1} (scale {self._scale():g}, lr "
-                                       f"{config.lr}): too low a temperature, too high a learning rate, NaN inputs?")
-        checked, every = {}, config.sync_check_every  # the sync check comes after the finiteness checks:
-        if self.world_size > 1 and every and (self.step + 1) % every == 0:  # inf − inf would read as out of sync
+            # nothing changed yet: the last checkpoint holds the last good state
+            if not torch.isfinite(value):
+                raise TrainingDiverged(
+                    f"{what} is not finite at step {self.step + 1} (scale {self._scale():g}, lr "
+                    f"{config.lr}): too low a temperature, too high a learning rate, NaN inputs?"
+                )
+        # the sync check comes after the finiteness checks:
+        checked, every = {}, config.sync_check_every
+        # inf − inf would read as out of sync
+        if self.world_size > 1 and every and (self.step + 1) % every == 0:
             grads = [p.grad for p in self.parameters if p.grad is not None]
             checked = {"rank_difference": distributed.rank_difference([*self.parameters, *grads])}
             if not checked["rank_difference"] <= config.sync_tolerance:
-                raise RanksOutOfSync(f"ranks out of sync at step {self.step + 1}: parameters or gradients differ "
-                                     f"between the {self.world_size} ranks by up to {checked['rank_difference']:.3g}")
+                raise RanksOutOfSync(
+                    f"ranks out of sync at step {self.step + 1}: parameters or gradients differ "
+                    f"between the {self.world_size} ranks by up to {checked['rank_difference']:.3g}"
+                )
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         torch.no_grad()(self.experiment.after_step)(self.model)  # e.g. a momentum encoder's update
@@ -270,8 +446,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if config.learnable_scale:
             self.scale.clamp_()
-        return {"loss": float(global_loss), "lr": lr, "grad_norm": float(grad_norm), "scale": self._scale(),
-                "seconds": time.perf_counter() - start, **checked}
+        return {
+            "loss": float(global_loss),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "scale": self._scale(),
+            "seconds": time.perf_counter() - start,
+            **checked,
+        }
 
     def _scale(self) -> float:
         return self.scale().item() if self.config.learnable_scale else self.scale
@@ -289,17 +471,30 @@ class Trainer:
             self.log_lines += 1
 
     def _resume(self) -> None:
-        """Restore checkpoint.pt if this code made it (else redo the run; other settings: refused), and say so."""
-        path, log, self.code = self.dir / "checkpoint.pt", self.dir / "metrics.jsonl", code_fingerprint()
+        """Restore checkpoint.pt if this code made it (else redo the run; other settings: refused),
+        and say so."""
+        path, log, self.code = (
+            self.dir / "checkpoint.pt",
+            self.dir / "metrics.jsonl",
+            code_fingerprint(),
+        )
         state = load_checkpoint(path) if path.exists() else {}
         old = state.get("config", asdict(self.config))
-        if changed := [k for k, v in asdict(self.config).items() if k not in RESUMABLE and old.get(k) != v]:
-            raise ValueError(f"{path} was written with other settings ({', '.join(changed)}): use another output "
-                             f"directory, or the same settings to resume")
+        if changed := [
+            k for k, v in asdict(self.config).items() if k not in RESUMABLE and old.get(k) != v
+        ]:
+            raise ValueError(
+                f"{path} was written with other settings ({', '.join(changed)}): use another "
+                "output "
+                f"directory, or the same settings to resume"
+            )
         made, say = state.get("code", {}), tqdm.write if self.main else lambda message: None
         if state and made.get("sha256") != self.code["sha256"]:
-            say(f"redoing {self.dir}: its checkpoint was made by other code (commit {made.get('commit', 'unknown')}, "
-                f"{made.get('date', 'unknown date')})")
+            say(
+                f"redoing {self.dir}: its checkpoint was made by other code (commit "
+                f"{made.get('commit', 'unknown')}, "
+                f"{made.get('date', 'unknown date')})"
+            )
             if self.world_size > 1:
                 dist.barrier()  # every rank has read it before rank 0 removes it
             for name in ("checkpoint.pt", "best.pt", "metrics.jsonl", "results.json"):
@@ -308,8 +503,12 @@ class Trainer:
             state = {}
         if not state:
             return log.write_text("") if self.main else None
-        say(f"reusing {self.dir}: finished at step {state['step']}, made {made['date']}, commit {made['commit']}"
-            if state["step"] == self.total_steps else f"resuming {path} at step {state['step']} of {self.total_steps}")
+        say(
+            f"reusing {self.dir}: finished at step {state['step']}, made {made['date']}, commit "
+            f"{made['commit']}"
+            if state["step"] == self.total_steps
+            else f"resuming {path} at step {state['step']} of {self.total_steps}"
+        )
         for key, part in self.stateful.items():
             part.load_state_dict(state[key])
         vars(self).update({key: state[key] for key in STATE})
@@ -317,31 +516,63 @@ class Trainer:
             log.write_text("".join(log.read_text().splitlines(keepends=True)[: self.log_lines]))
 
     def score(self, split: str) -> list[dict]:
-        """The model's scores on `split` as result rows (metric `<split>_<name>`; untrained: arm "start")."""
+        """The model's scores on `split` as result rows (metric `<split>_<name>`; untrained: arm
+        "start")."""
         config, experiment = self.config, self.experiment
-        fields = dict(experiment=config.experiment, arm=config.arm or config.sampler, seed=config.seed,
-                      profile=config.profile, data=experiment.data_name, model=experiment.model_name)
-        return [results.result_row(metric=f"{split}_{metric}", value=value, **fields)
-                for metric, value in self._in_eval_mode(experiment.evaluate, split).items()]
+        fields = dict(
+            experiment=config.experiment,
+            arm=config.arm or config.sampler,
+            seed=config.seed,
+            profile=config.profile,
+            data=experiment.data_name,
+            model=experiment.model_name,
+        )
+        return [
+            results.result_row(metric=f"{split}_{metric}", value=value, **fields)
+            for metric, value in self._in_eval_mode(experiment.evaluate, split).items()
+        ]
 
     def _summary(self) -> dict:
-        """Score best.pt on the test split into results.json (with its dev score); the run's summary."""
-        config, experiment, best = self.config, self.experiment, load_checkpoint(self.dir / "best.pt")
+        """Score best.pt on the test split into results.json (with its dev score); the run's
+        summary."""
+        config, experiment, best = (
+            self.config,
+            self.experiment,
+            load_checkpoint(self.dir / "best.pt"),
+        )
         self.model.load_state_dict(best["model"])
         rows = self.score("test")
-        rows.append(results.result_row(**{**rows[0], "metric": f"dev_{experiment.dev_metric}", "value": best["value"]}))
+        rows.append(
+            results.result_row(
+                **{**rows[0], "metric": f"dev_{experiment.dev_metric}", "value": best["value"]}
+            )
+        )
         results.write_rows(self.dir / "results.json", rows)
-        records = [json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines()]
-        records = {kind: [r for r in records if r["kind"] == kind] for kind in ("step", "epoch", "eval")}
-        return {"output_dir": str(self.dir), "experiment": config.experiment, "arm": rows[0]["arm"],
-                "seed": config.seed, "steps": self.step, "steps_per_epoch": self.steps_per_epoch,
-                "best_step": self.best.get("step"), "rows": rows, "epochs": records["epoch"], "dev": records["eval"],
-                "test": {r["metric"][5:]: r["value"] for r in rows if r["metric"].startswith("test_")},
-                "train_seconds": sum(r["seconds"] for r in records["step"])}
+        records = [
+            json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines()
+        ]
+        records = {
+            kind: [r for r in records if r["kind"] == kind] for kind in ("step", "epoch", "eval")
+        }
+        return {
+            "output_dir": str(self.dir),
+            "experiment": config.experiment,
+            "arm": rows[0]["arm"],
+            "seed": config.seed,
+            "steps": self.step,
+            "steps_per_epoch": self.steps_per_epoch,
+            "best_step": self.best.get("step"),
+            "rows": rows,
+            "epochs": records["epoch"],
+            "dev": records["eval"],
+            "test": {r["metric"][5:]: r["value"] for r in rows if r["metric"].startswith("test_")},
+            "train_seconds": sum(r["seconds"] for r in records["step"]),
+        }
 
 
 def train(config: TrainConfig, output_dir: str | Path) -> dict | None:
-    """Train `config` into `output_dir` (resuming from its checkpoint.pt); rank 0 returns the run's summary."""
+    """Train `config` into `output_dir` (resuming from its checkpoint.pt); rank 0 returns the run's
+    summary."""
     return Trainer(config, output_dir).fit()
 
 
@@ -352,23 +583,35 @@ def launched(config: dict, output_dir: str) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser("python -m gcbs_lib.train", description="Train, resuming from OUTPUT_DIR.")
+    parser = argparse.ArgumentParser(
+        "python -m gcbs_lib.train", description="Train, resuming from OUTPUT_DIR."
+    )
     parser.add_argument("--experiment", required=True, help=", ".join(experiments.available()))
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--profile", default="ci")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--sampler", choices=get_args(get_type_hints(TrainConfig)["sampler"]))
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="a TrainConfig field or an option of the experiment (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a TrainConfig field or an option of the experiment (repeatable)",
+    )
     arguments = parser.parse_args(argv)
-    overrides = {k: getattr(arguments, k) for k in ("seed", "sampler") if getattr(arguments, k) is not None}
+    overrides = {
+        k: getattr(arguments, k) for k in ("seed", "sampler") if getattr(arguments, k) is not None
+    }
     try:  # bad settings, a bad output directory or bad data: one line, no traceback
         if not all("=" in pair for pair in arguments.overrides):
             raise ValueError(f"--set takes KEY=VALUE, got {arguments.overrides}")
         overrides = {**dict(pair.split("=", 1) for pair in arguments.overrides), **overrides}
         config = load_config(arguments.experiment, arguments.profile, overrides)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
-            dist.init_process_group("nccl" if config.device == "cuda" else "gloo", timeout=timedelta(hours=3))
+            dist.init_process_group(
+                "nccl" if config.device == "cuda" else "gloo", timeout=timedelta(hours=3)
+            )
         trainer = Trainer(config, arguments.output_dir)
     except (KeyError, ValueError, OSError) as error:
         parser.error(error.args[0] if isinstance(error, KeyError) else str(error))

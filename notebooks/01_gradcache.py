@@ -32,9 +32,9 @@
 # %% tags=["parameters"]
 device = "cpu"
 seed = 0
-batch_size = 12                    # queries per step in the equivalence checks
-hard_negatives = 1                 # extra documents per query
-chunk_sizes = [1, 5, 12, 20]       # one row, a non-divisor, the batch, more than the batch
+batch_size = 12  # queries per step in the equivalence checks
+hard_negatives = 1  # extra documents per query
+chunk_sizes = [1, 5, 12, 20]  # one row, a non-divisor, the batch, more than the batch
 memory_batch_sizes = [16, 32, 64, 128]
 memory_chunk_size = 16
 timing_batch_size = 128
@@ -126,33 +126,50 @@ print(f"({len(source.splitlines())} lines)")
 # and documents, one hard negative per query, a symmetric loss and a learnable logit scale. The reference is the
 # plain full-batch loss. Dropout is off here (section 5 turns it on).
 
+
 # %%
 def make_experiment(dtype, dropout=0.0):
     """Two encoders, a learnable logit scale, and a query/document batch, all seeded."""
     torch.manual_seed(seed)
-    encoders = [TinyTextEncoder(vocab_size=200, dim=32, heads=4, layers=2, max_length=16, dropout=dropout)
-                .to(device, dtype) for _ in range(2)]
+    encoders = [
+        TinyTextEncoder(
+            vocab_size=200, dim=32, heads=4, layers=2, max_length=16, dropout=dropout
+        ).to(device, dtype)
+        for _ in range(2)
+    ]
     scale = LogitScale().to(device, dtype)
     generator = torch.Generator().manual_seed(seed)
-    batches = [{k: v.to(device) for k, v in random_token_batch(n, 16, 200, generator).items()}
-               for n in (batch_size, n_docs)]
+    batches = [
+        {k: v.to(device) for k, v in random_token_batch(n, 16, 200, generator).items()}
+        for n in (batch_size, n_docs)
+    ]
     loss_fn = partial(info_nce, scale=scale, symmetric=True)
     return encoders, scale, batches, loss_fn
 
 
 encoders, scale, batches, loss_fn = make_experiment(torch.float64)
-print({name: tuple(t.shape) for name, t in batches[1].items()}, "| documents per query:", n_docs // batch_size)
+print(
+    {name: tuple(t.shape) for name, t in batches[1].items()},
+    "| documents per query:",
+    n_docs // batch_size,
+)
 
 # %%
-GROUPS = {"tokens+positions": ("tokens", "positions"), "attention": ("qkv", "out"), "mlp": ("mlp",),
-          "layernorms": ("norm",)}
+GROUPS = {
+    "tokens+positions": ("tokens", "positions"),
+    "attention": ("qkv", "out"),
+    "mlp": ("mlp",),
+    "layernorms": ("norm",),
+}
 
 
 def grouped_grads(encoders, scale):
     """Flatten the gradients into parameter groups (both encoders together) plus the logit scale."""
     named = [(n, p.grad) for e in encoders for n, p in e.named_parameters()]
-    grads = {g: torch.cat([grad.flatten() for n, grad in named if any(k in n for k in keys)])
-             for g, keys in GROUPS.items()}
+    grads = {
+        g: torch.cat([grad.flatten() for n, grad in named if any(k in n for k in keys)])
+        for g, keys in GROUPS.items()
+    }
     return {**grads, "logit scale": scale.log_scale.grad.reshape(1)}
 
 
@@ -170,7 +187,9 @@ def gradients(dtype, chunk_size=None):
 # %%
 loss_full, reference = gradients(torch.float64)
 loss_cached, cached = gradients(torch.float64, chunk_size=5)
-rows = [compare("loss", loss_cached, loss_full)] + [compare(g, cached[g], reference[g]) for g in reference]
+rows = [compare("loss", loss_cached, loss_full)] + [
+    compare(g, cached[g], reference[g]) for g in reference
+]
 print("float64, chunk_size=5 vs the full batch")
 print(cmp_table(rows))
 
@@ -184,10 +203,15 @@ for dtype in (torch.float64, torch.float32):
     _, reference = gradients(dtype)
     for chunk_size in chunk_sizes:
         _, cached = gradients(dtype, chunk_size)
-        errors[(str(dtype).split(".")[1], chunk_size)] = max(relative_error(cached[g], reference[g]) for g in cached)
+        errors[(str(dtype).split(".")[1], chunk_size)] = max(
+            relative_error(cached[g], reference[g]) for g in cached
+        )
 print(f"{'dtype':<8} {'chunk':>5}  max relative gradient error (over all parameter groups)")
 for (dtype, chunk_size), error in errors.items():
-    print(f"{dtype:<8} {chunk_size:>5}  {error:.1e}   (tolerance {tolerance(getattr(torch, dtype)):.0e})")
+    print(
+        f"{dtype:<8} {chunk_size:>5}  {error:.1e}   (tolerance "
+        f"{tolerance(getattr(torch, dtype)):.0e})"
+    )
 
 # %%
 assert all(error <= tolerance(getattr(torch, dtype)) for (dtype, _), error in errors.items())
@@ -217,17 +241,26 @@ print("forward replayed under RandContext is bitwise equal:", torch.equal(first,
 
 # %%
 recorded = []
-hooks = [e.register_forward_hook(lambda m, args, out: recorded.append(out.detach().clone())) for e in encoders]
+hooks = [
+    e.register_forward_hook(lambda m, args, out: recorded.append(out.detach().clone()))
+    for e in encoders
+]
 cached_loss(loss_fn, encoders, batches, 5).backward()
 [hook.remove() for hook in hooks]
 n_chunks = -(-batch_size // 5) + -(-n_docs // 5)  # chunks of 5 rows, queries and documents
 first_pass, replays = recorded[:n_chunks], recorded[n_chunks:]
-replay_bitwise = len(replays) == n_chunks and all(torch.equal(a, b) for a, b in zip(first_pass, replays))
-print(f"{len(first_pass)} chunks encoded, {len(replays)} replayed; all bitwise equal: {replay_bitwise}")
+replay_bitwise = len(replays) == n_chunks and all(
+    torch.equal(a, b) for a, b in zip(first_pass, replays)
+)
+print(
+    f"{len(first_pass)} chunks encoded, {len(replays)} replayed; all bitwise equal: "
+    f"{replay_bitwise}"
+)
 
 # %% [markdown]
 # And the gradients equal those of a plain backward through a graph built with the **same** masks: seed, encode
 # the same chunks with a graph, take the full-batch loss, back-propagate.
+
 
 # %%
 def dropout_gradients(use_gradcache):
@@ -270,10 +303,18 @@ hooks = [e.register_forward_hook(lambda m, args, out: calls.append(len(out))) fo
 with torch.no_grad():
     loss = cached_loss(loss_fn, encoders, batches, 5)
 [hook.remove() for hook in hooks]
-no_grad_clean = not loss.requires_grad and all(p.grad is None for e in encoders for p in e.parameters())
-print(f"under no_grad: loss {loss.item():.4f}, requires_grad={loss.requires_grad}, gradients untouched={no_grad_clean}")
-print(f"encoder calls: {len(calls)} (the {n_chunks} chunks once, no replay), rows encoded: {sum(calls)} of "
-      f"{batch_size + n_docs}")
+no_grad_clean = not loss.requires_grad and all(
+    p.grad is None for e in encoders for p in e.parameters()
+)
+print(
+    f"under no_grad: loss {loss.item():.4f}, requires_grad={loss.requires_grad}, gradients "
+    f"untouched={no_grad_clean}"
+)
+print(
+    f"encoder calls: {len(calls)} (the {n_chunks} chunks once, no replay), rows encoded: "
+    f"{sum(calls)} of "
+    f"{batch_size + n_docs}"
+)
 no_replay = len(calls) == n_chunks and sum(calls) == batch_size + n_docs
 
 # %% [markdown]
@@ -289,26 +330,39 @@ no_replay = len(calls) == n_chunks and sum(calls) == batch_size + n_docs
 # a thread samples the resident set every 0.2 ms, which can miss a very short peak. The cell says which ran.
 # Model: `TinyTextEncoder(dim=64, layers=2)`, 32 tokens per text, query and document branches.
 
+
 # %%
 def step_memory(method, batch_size):
     """Bytes one step adds: the CUDA allocator's peak here; on CPU, the rise in a fresh `python -m gcbs_lib.measure`."""
     if device.startswith("cuda"):
         return memory_rise(contrastive_step(method, batch_size, memory_chunk_size, device), "cuda")
-    return fresh_process_bytes(["-m", "gcbs_lib.measure", method, str(batch_size), str(memory_chunk_size)], method)
+    return fresh_process_bytes(
+        ["-m", "gcbs_lib.measure", method, str(batch_size), str(memory_chunk_size)], method
+    )
 
 
 print("memory measured by:", memory_method(device))
-memory_mib = {method: [step_memory(method, b) / 2**20 for b in memory_batch_sizes] for method in ("plain", "gradcache")}
+memory_mib = {
+    method: [step_memory(method, b) / 2**20 for b in memory_batch_sizes]
+    for method in ("plain", "gradcache")
+}
 print(f"{'batch':>6} {'plain MiB':>10} {'GradCache MiB':>14}")
 for i, b in enumerate(memory_batch_sizes):
     print(f"{b:>6} {memory_mib['plain'][i]:>10.1f} {memory_mib['gradcache'][i]:>14.1f}")
 
 # %% tags=["figure:memory-vs-batch-size"]
 fig, ax = plt.subplots(figsize=(5.5, 3.5))
-for method, label in (("plain", "plain full batch"), ("gradcache", f"GradCache, chunk {memory_chunk_size}")):
+for method, label in (
+    ("plain", "plain full batch"),
+    ("gradcache", f"GradCache, chunk {memory_chunk_size}"),
+):
     ax.plot(memory_batch_sizes, memory_mib[method], marker="o", label=label)
-ax.set(xlabel="batch size B (queries and as many documents)", ylabel="memory one step adds (MiB)", xscale="log",
-       title=f"Peak memory of one training step against batch size ({device})")
+ax.set(
+    xlabel="batch size B (queries and as many documents)",
+    ylabel="memory one step adds (MiB)",
+    xscale="log",
+    title=f"Peak memory of one training step against batch size ({device})",
+)
 ax.set_xticks(memory_batch_sizes, [str(b) for b in memory_batch_sizes])
 ax.xaxis.set_minor_locator(plt.NullLocator())  # no minor ticks (and labels) between the batch sizes
 ax.legend()
@@ -317,8 +371,10 @@ plt.show()
 # %%
 growth = {m: memory_mib[m][-1] / memory_mib[m][0] for m in memory_mib}
 batch_growth = memory_batch_sizes[-1] / memory_batch_sizes[0]
-print(f"batch grows {batch_growth:.0f}×: plain peak grows {growth['plain']:.1f}×, "
-      f"GradCache peak {growth['gradcache']:.2f}×")
+print(
+    f"batch grows {batch_growth:.0f}×: plain peak grows {growth['plain']:.1f}×, "
+    f"GradCache peak {growth['gradcache']:.2f}×"
+)
 
 # %% [markdown]
 # ## 8 · What it costs: time
@@ -329,6 +385,7 @@ print(f"batch grows {batch_growth:.0f}×: plain peak grows {growth['plain']:.1f}
 # hardware and on how efficiently small chunks run, so we predict it from measured parts:
 #
 # $$ \text{ratio} \approx 1 + \frac{T_\text{encode without graph}}{T_\text{plain step}} . $$
+
 
 # %%
 def step_seconds(method):
@@ -349,9 +406,14 @@ def step_seconds(method):
 times = {m: step_seconds(m) for m in ("plain", "gradcache", "encode")}
 predicted = 1 + times["encode"] / times["plain"]
 measured = times["gradcache"] / times["plain"]
-print(f"batch {timing_batch_size}, chunk {memory_chunk_size}: plain {times['plain']*1e3:.0f} ms, "
-      f"GradCache {times['gradcache']*1e3:.0f} ms, no-grad encode {times['encode']*1e3:.0f} ms")
-print(f"GradCache/plain step time: measured {measured:.2f}, predicted from the parts {predicted:.2f}, ideal 1.33")
+print(
+    f"batch {timing_batch_size}, chunk {memory_chunk_size}: plain {times['plain'] * 1e3:.0f} ms, "
+    f"GradCache {times['gradcache'] * 1e3:.0f} ms, no-grad encode {times['encode'] * 1e3:.0f} ms"
+)
+print(
+    f"GradCache/plain step time: measured {measured:.2f}, predicted from the parts "
+    f"{predicted:.2f}, ideal 1.33"
+)
 
 # %% [markdown]
 # On a CPU the backward of this tiny model is cheaper than two forwards and chunks of 16 rows use the cores less
@@ -365,16 +427,30 @@ print(f"GradCache/plain step time: measured {measured:.2f}, predicted from the p
 # collects them from every notebook into one table; run interactively, nothing is written.
 
 # %%
-row = partial(result_row, experiment="gradcache", seed=seed, profile=profile, data="synthetic",
-              model="TinyTextEncoder")
+row = partial(
+    result_row,
+    experiment="gradcache",
+    seed=seed,
+    profile=profile,
+    data="synthetic",
+    model="TinyTextEncoder",
+)
 largest, smallest = memory_batch_sizes[-1], memory_batch_sizes[0]
-result_rows = [row(arm="kit", metric=f"max_rel_grad_error_{d}", value=max(e for (t, _), e in errors.items() if t == d))
-               for d in ("float64", "float32")]
+result_rows = [
+    row(
+        arm="kit",
+        metric=f"max_rel_grad_error_{d}",
+        value=max(e for (t, _), e in errors.items() if t == d),
+    )
+    for d in ("float64", "float32")
+]
 result_rows += [row(arm="kit", metric="dropout_rel_grad_error", value=dropout_error)]
 for m in ("plain", "gradcache"):
-    result_rows += [row(arm=m, metric=f"peak_memory_mib_B{largest}", value=memory_mib[m][-1]),
-                    row(arm=m, metric=f"memory_growth_B{smallest}_to_{largest}", value=growth[m]),
-                    row(arm=m, metric=f"step_ms_B{timing_batch_size}", value=1e3 * times[m])]
+    result_rows += [
+        row(arm=m, metric=f"peak_memory_mib_B{largest}", value=memory_mib[m][-1]),
+        row(arm=m, metric=f"memory_growth_B{smallest}_to_{largest}", value=growth[m]),
+        row(arm=m, metric=f"step_ms_B{timing_batch_size}", value=1e3 * times[m]),
+    ]
 record(result_rows, "01_gradcache")
 for r in result_rows:
     print(f"{r['experiment']:<10} {r['arm']:<10} {r['metric']:<30} {r['value']:.3g}")
@@ -392,13 +468,35 @@ assert growth["gradcache"] < 2.0, "GradCache peak memory should stay nearly flat
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("fp64 gradients within 1e-12 for chunk sizes", chunk_sizes, ":",
-      all(e <= 1e-12 for (d, _), e in errors.items() if d == "float64"))
-print("fp32 gradients within 1e-5 for chunk sizes", chunk_sizes, ":",
-      all(e <= 1e-5 for (d, _), e in errors.items() if d == "float32"))
-print("dropout active:", dropout_active, "| replay bitwise:", replay_bitwise,
-      "| gradients with same masks within 1e-12:", dropout_error <= 1e-12)
-print("loss scaling exact:", scaling_exact, "| no_grad adds no gradients and replays nothing:",
-      no_grad_clean and no_replay)
-print("memory: plain grows with the batch:", growth["plain"] > 0.5 * batch_growth,
-      "| GradCache stays flat:", growth["gradcache"] < 2.0)
+print(
+    "fp64 gradients within 1e-12 for chunk sizes",
+    chunk_sizes,
+    ":",
+    all(e <= 1e-12 for (d, _), e in errors.items() if d == "float64"),
+)
+print(
+    "fp32 gradients within 1e-5 for chunk sizes",
+    chunk_sizes,
+    ":",
+    all(e <= 1e-5 for (d, _), e in errors.items() if d == "float32"),
+)
+print(
+    "dropout active:",
+    dropout_active,
+    "| replay bitwise:",
+    replay_bitwise,
+    "| gradients with same masks within 1e-12:",
+    dropout_error <= 1e-12,
+)
+print(
+    "loss scaling exact:",
+    scaling_exact,
+    "| no_grad adds no gradients and replays nothing:",
+    no_grad_clean and no_replay,
+)
+print(
+    "memory: plain grows with the batch:",
+    growth["plain"] > 0.5 * batch_growth,
+    "| GradCache stays flat:",
+    growth["gradcache"] < 2.0,
+)

@@ -38,11 +38,11 @@
 # cuda` on a GPU node).
 
 # %% tags=["parameters"]
-nproc = 2                # ranks (W)
-backend = "gloo"         # "nccl" on GPUs, one GPU per rank
+nproc = 2  # ranks (W)
+backend = "gloo"  # "nccl" on GPUs, one GPU per rank
 device = "cpu"
-per_rank = 4             # pairs on each rank (B)
-chunk_size = 2           # GradCache chunk: several replays per step, only one may synchronise
+per_rank = 4  # pairs on each rank (B)
+chunk_size = 2  # GradCache chunk: several replays per step, only one may synchronise
 dropout = 0.1
 seed = 0
 chart_world_sizes = [2, 4, 8]  # virtual ranks in the ratio chart
@@ -57,15 +57,27 @@ import numpy as np
 import torch
 
 from gcbs_lib.check import cmp_table, compare, relative_error
-from gcbs_lib.ddp_scaling import CONVENTIONS, ScalingSetup, build_models, ddp_steps, flat_gradients, global_batch
+from gcbs_lib.ddp_scaling import (
+    CONVENTIONS,
+    ScalingSetup,
+    build_models,
+    ddp_steps,
+    flat_gradients,
+    global_batch,
+)
 from gcbs_lib.distributed import VirtualRanks, gather_with_grad, launch
 from gcbs_lib.gradcache import encode_in_chunks
 from gcbs_lib.losses import info_nce, rank_info_nce
 from gcbs_lib.results import record, result_row
 
 W = nproc
-setup = ScalingSetup(per_rank=per_rank, chunk_size=chunk_size, dropout=dropout, seed=seed, device=device)
-print(f"W={W} ranks × B={per_rank} pairs = N={W * per_rank}; backend={backend}, device={device}, dropout={dropout}")
+setup = ScalingSetup(
+    per_rank=per_rank, chunk_size=chunk_size, dropout=dropout, seed=seed, device=device
+)
+print(
+    f"W={W} ranks × B={per_rank} pairs = N={W * per_rank}; backend={backend}, device={device}, "
+    f"dropout={dropout}"
+)
 
 # %% [markdown]
 # ## 1 · What each rank must compute
@@ -123,6 +135,7 @@ print(f"W={W} ranks × B={per_rank} pairs = N={W * per_rank}; backend={backend},
 # The reference is the single process on the whole batch. So that it draws the same dropout masks as the ranks, it
 # encodes each rank's rows under that rank's seed, chunk by chunk as `cached_loss` does on a real rank:
 
+
 # %%
 def encode_ranks(encoder, ranks, setup):
     """[(queries of rank r, documents of rank r)] with a graph, each rank's rows under its own dropout seed."""
@@ -130,7 +143,9 @@ def encode_ranks(encoder, ranks, setup):
     local = []
     for rank in range(ranks.world_size):
         torch.manual_seed(setup.rank_seed(rank))
-        local.append(tuple(encode_in_chunks(encoder, shard[rank], setup.chunk_size) for shard in shards))
+        local.append(
+            tuple(encode_in_chunks(encoder, shard[rank], setup.chunk_size) for shard in shards)
+        )
     return local
 
 
@@ -152,15 +167,25 @@ def gradient_ratio(ours, reference):
 
 def predicted_ratios(w):
     """The table's (encoder, logit scale) gradient ratios on w ranks; None: not a multiple."""
-    return {"kit": (1, 1), "loss_x_W": (w, w), "no_grad": (1 / w, 1), "no_grad_x_W": (1, w),
-            "milnce": (1 / w, 1), "no_grad_share": (None, 1)}
+    return {
+        "kit": (1, 1),
+        "loss_x_W": (w, w),
+        "no_grad": (1 / w, 1),
+        "no_grad_x_W": (1, w),
+        "milnce": (1 / w, 1),
+        "no_grad_share": (None, 1),
+    }
 
 
 def as_predicted(measured_pairs, expected_pairs):
     """Each measured (ratio, residual) is the expected multiple to 1e-10, or far from any multiple where None."""
-    return all((expected is None and residual > 1e-2)
-               or (expected is not None and abs(ratio - expected) <= 1e-10 * expected and residual <= 1e-10)
-               for (ratio, residual), expected in zip(measured_pairs, expected_pairs))
+    return all(
+        (expected is None and residual > 1e-2)
+        or (
+            expected is not None and abs(ratio - expected) <= 1e-10 * expected and residual <= 1e-10
+        )
+        for (ratio, residual), expected in zip(measured_pairs, expected_pairs)
+    )
 
 
 predicted = predicted_ratios(W)
@@ -176,19 +201,37 @@ print(f"single-process reference: loss {reference['loss']:.6f} over {W * per_ran
 # %%
 ranks = VirtualRanks(W)
 encoder, scale = build_models(setup)
-local = encode_ranks(encoder, ranks, setup)  # [(queries of rank r, documents of rank r) for each rank r]
-print(f"each rank holds {tuple(local[0][0].shape)} query and {tuple(local[0][1].shape)} document embeddings")
+local = encode_ranks(
+    encoder, ranks, setup
+)  # [(queries of rank r, documents of rank r) for each rank r]
+print(
+    f"each rank holds {tuple(local[0][0].shape)} query and {tuple(local[0][1].shape)} document "
+    "embeddings"
+)
 
 # %% [markdown]
 # All-gather: every rank gets its own copy of all N embeddings and takes its share $\mathcal L_r$. The mean of
 # the shares is the global loss:
 
 # %%
-all_queries, all_docs = ranks.all_gather([q for q, _ in local]), ranks.all_gather([d for _, d in local])
-shares = [rank_info_nce(all_queries[r], all_docs[r], scale, symmetric=True, rank=r, world_size=W) for r in range(W)]
-to_queries, to_docs, to_scale = zip(*(torch.autograd.grad(share, (all_queries[r], all_docs[r], scale.log_scale))
-                                      for r, share in enumerate(shares)))
-mean_share, full_loss = torch.stack(shares).mean(), torch.tensor(reference["loss"], dtype=torch.float64)
+all_queries, all_docs = (
+    ranks.all_gather([q for q, _ in local]),
+    ranks.all_gather([d for _, d in local]),
+)
+shares = [
+    rank_info_nce(all_queries[r], all_docs[r], scale, symmetric=True, rank=r, world_size=W)
+    for r in range(W)
+]
+to_queries, to_docs, to_scale = zip(
+    *(
+        torch.autograd.grad(share, (all_queries[r], all_docs[r], scale.log_scale))
+        for r, share in enumerate(shares)
+    )
+)
+mean_share, full_loss = (
+    torch.stack(shares).mean(),
+    torch.tensor(reference["loss"], dtype=torch.float64),
+)
 print(cmp_table([compare("mean of the shares L_r vs L", mean_share, full_loss)]))
 
 # %% [markdown]
@@ -203,14 +246,24 @@ per_rank_grads = []
 for r in range(W):  # rank r back-propagates the gradient of the rows it made, through its own graph
     grads = torch.autograd.grad(local[r], parameters, (own_queries[r], own_docs[r]))
     per_rank_grads.append(torch.cat([g.flatten() for g in grads]))
-walkthrough = {"encoder": ranks.all_reduce_mean(per_rank_grads),
-               "logit_scale": ranks.all_reduce_mean(list(to_scale)).reshape(1)}
-print(cmp_table([compare(name, walkthrough[name], reference["grads"][name], rtol=1e-10) for name in walkthrough]))
+walkthrough = {
+    "encoder": ranks.all_reduce_mean(per_rank_grads),
+    "logit_scale": ranks.all_reduce_mean(list(to_scale)).reshape(1),
+}
+print(
+    cmp_table(
+        [
+            compare(name, walkthrough[name], reference["grads"][name], rtol=1e-10)
+            for name in walkthrough
+        ]
+    )
+)
 
 # %% [markdown]
 # The full-batch gradient, to rounding. `virtual_step` packages these lines for every convention
 # (`gcbs_lib.ddp_scaling.CONVENTIONS`): the gather's backward (a reduce-scatter for `gather_with_grad`, own rows only
 # for the others), the loss each rank takes, and the factor W.
+
 
 # %%
 def virtual_step(name, setup, world_size):
@@ -219,35 +272,63 @@ def virtual_step(name, setup, world_size):
     encoder, scale = build_models(setup)
     local = encode_ranks(encoder, ranks, setup)
     all_queries, all_docs = (ranks.all_gather([pair[i] for pair in local]) for i in (0, 1))
-    losses = [rule.rank_loss(all_queries[r], all_docs[r], scale, r, world_size) for r in range(world_size)]
-    to_queries, to_docs, to_scale = zip(*(torch.autograd.grad(loss, (all_queries[r], all_docs[r], scale.log_scale))
-                                          for r, loss in enumerate(losses)))
+    losses = [
+        rule.rank_loss(all_queries[r], all_docs[r], scale, r, world_size) for r in range(world_size)
+    ]
+    to_queries, to_docs, to_scale = zip(
+        *(
+            torch.autograd.grad(loss, (all_queries[r], all_docs[r], scale.log_scale))
+            for r, loss in enumerate(losses)
+        )
+    )
     backward = ranks.reduce_scatter if rule.gather is gather_with_grad else ranks.own_slice
     own_queries, own_docs = backward(list(to_queries)), backward(list(to_docs))
-    per_rank = [torch.cat([g.flatten() for g in torch.autograd.grad(local[r], list(encoder.parameters()),
-                                                                    (own_queries[r], own_docs[r]))])
-                for r in range(world_size)]
-    return {"loss": ranks.all_reduce_mean([loss.detach() for loss in losses]).item(),
-            "grads": {"encoder": ranks.all_reduce_mean(per_rank),
-                      "logit_scale": ranks.all_reduce_mean(list(to_scale)).reshape(1)}}
+    per_rank = [
+        torch.cat(
+            [
+                g.flatten()
+                for g in torch.autograd.grad(
+                    local[r], list(encoder.parameters()), (own_queries[r], own_docs[r])
+                )
+            ]
+        )
+        for r in range(world_size)
+    ]
+    return {
+        "loss": ranks.all_reduce_mean([loss.detach() for loss in losses]).item(),
+        "grads": {
+            "encoder": ranks.all_reduce_mean(per_rank),
+            "logit_scale": ranks.all_reduce_mean(list(to_scale)).reshape(1),
+        },
+    }
 
 
 # %%
 virtual = {name: virtual_step(name, setup, W) for name in CONVENTIONS}
-walkthrough_is_kit = all(torch.equal(virtual["kit"]["grads"][k], walkthrough[k]) for k in walkthrough)
+walkthrough_is_kit = all(
+    torch.equal(virtual["kit"]["grads"][k], walkthrough[k]) for k in walkthrough
+)
 print("virtual_step('kit') equals the walkthrough bitwise:", walkthrough_is_kit)
 
 
 # %%
 def ratio_table(steps):
     """Measured gradient ratio to the full-batch reference, per convention and parameter group."""
-    print(f"{'convention':<44} {'encoder':>8} {'multiple':>9} {'scale':>6}   predicted (encoder, scale)")
+    print(
+        f"{'convention':<44} {'encoder':>8} {'multiple':>9} {'scale':>6}   predicted (encoder, "
+        "scale)"
+    )
     for name, step in steps.items():
-        (encoder_ratio, residual), (scale_ratio, _) = (gradient_ratio(step["grads"][k], reference["grads"][k])
-                                                       for k in ("encoder", "logit_scale"))
+        (encoder_ratio, residual), (scale_ratio, _) = (
+            gradient_ratio(step["grads"][k], reference["grads"][k])
+            for k in ("encoder", "logit_scale")
+        )
         expected = ", ".join("not a multiple" if p is None else f"{p:.3f}" for p in predicted[name])
-        print(f"{CONVENTIONS[name].label:<44} {encoder_ratio:>8.3f} {residual <= 1e-10!s:>9} {scale_ratio:>6.3f}   "
-              f"{expected}")
+        print(
+            f"{CONVENTIONS[name].label:<44} {encoder_ratio:>8.3f} {residual <= 1e-10!s:>9} "
+            f"{scale_ratio:>6.3f}   "
+            f"{expected}"
+        )
 
 
 ratio_table(virtual)
@@ -262,15 +343,27 @@ for w in chart_world_sizes:
     full_batch = full_batch_step(setup, w)
     for name in CONVENTIONS:
         step = virtual_step(name, setup, w)
-        sweep[name, w] = [gradient_ratio(step["grads"][k], full_batch["grads"][k]) for k in ("encoder", "logit_scale")]
-sweep_as_predicted = all(as_predicted(sweep[name, w], predicted_ratios(w)[name]) for name, w in sweep)
+        sweep[name, w] = [
+            gradient_ratio(step["grads"][k], full_batch["grads"][k])
+            for k in ("encoder", "logit_scale")
+        ]
+sweep_as_predicted = all(
+    as_predicted(sweep[name, w], predicted_ratios(w)[name]) for name, w in sweep
+)
 print("every ratio as the table predicts, at W =", chart_world_sizes, ":", sweep_as_predicted)
 
 # %% tags=["figure:gradient-ratio-per-convention"]
-NAMES = {"kit": "kit: gather with grad, share $L_r$", "loss_x_W": "gather with grad, share × W",
-         "no_grad": "gather without grad, global $L$", "no_grad_x_W": "gather without grad, global × W",
-         "milnce": "MIL-NCE AllGather, global $L$", "no_grad_share": "gather without grad, share $L_r$"}
-ticks = sorted({Fraction(w) for w in chart_world_sizes} | {1 / Fraction(w) for w in chart_world_sizes} | {1})
+NAMES = {
+    "kit": "kit: gather with grad, share $L_r$",
+    "loss_x_W": "gather with grad, share × W",
+    "no_grad": "gather without grad, global $L$",
+    "no_grad_x_W": "gather without grad, global × W",
+    "milnce": "MIL-NCE AllGather, global $L$",
+    "no_grad_share": "gather without grad, share $L_r$",
+}
+ticks = sorted(
+    {Fraction(w) for w in chart_world_sizes} | {1 / Fraction(w) for w in chart_world_sizes} | {1}
+)
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharex=True, sharey=True, layout="constrained")
 for ax, k, title in zip(axes, (0, 1), ("encoder gradient", "logit-scale gradient")):
     for i, w in enumerate(chart_world_sizes):
@@ -285,7 +378,9 @@ for ax, k, title in zip(axes, (0, 1), ("encoder gradient", "logit-scale gradient
     ax.xaxis.set_minor_locator(plt.NullLocator())
 axes[0].set_yticks(np.arange(len(NAMES))[::-1], list(NAMES.values()))
 axes[0].set_ylabel("gradient convention")
-fig.suptitle("DDP gradient of each convention ÷ the full batch's, by world size W (1: as the full batch)")
+fig.suptitle(
+    "DDP gradient of each convention ÷ the full batch's, by world size W (1: as the full batch)"
+)
 axes[1].scatter([], [], facecolors="none", edgecolors="0.3", label="not a multiple")
 axes[1].legend(fontsize=8, loc="center left")
 plt.show()
@@ -310,15 +405,31 @@ ratio_table(real)
 # reference, real ranks against virtual ranks, and what the communication hook and the rank-sync check saw:
 
 # %%
-rows = [compare(f"kit {name} vs full batch", real["kit"]["grads"][name], reference["grads"][name], rtol=1e-10)
-        for name in ("encoder", "logit_scale")]
-rows += [compare(f"{name}: real vs virtual", real[name]["grads"]["encoder"], virtual[name]["grads"]["encoder"],
-                 rtol=1e-10) for name in CONVENTIONS]
+rows = [
+    compare(
+        f"kit {name} vs full batch",
+        real["kit"]["grads"][name],
+        reference["grads"][name],
+        rtol=1e-10,
+    )
+    for name in ("encoder", "logit_scale")
+]
+rows += [
+    compare(
+        f"{name}: real vs virtual",
+        real[name]["grads"]["encoder"],
+        virtual[name]["grads"]["encoder"],
+        rtol=1e-10,
+    )
+    for name in CONVENTIONS
+]
 print(cmp_table(rows))
 for name, step in real.items():
     sizes, encoder_size = step["allreduces"], step["grads"]["encoder"].numel()
-    print(f"{name:<14} all-reduces {len(sizes)} ({sum(sizes)} of {encoder_size} gradients), "
-          f"max difference between ranks {step['rank_difference']}")
+    print(
+        f"{name:<14} all-reduces {len(sizes)} ({sum(sizes)} of {encoder_size} gradients), "
+        f"max difference between ranks {step['rank_difference']}"
+    )
 
 # %% [markdown]
 # One all-reduce per step although each rank replays `2 × per_rank / chunk_size` chunks: `cached_loss` replays
@@ -357,18 +468,34 @@ for name, step in real.items():
 # how far the encoder gradient is from that multiple; for the kit, its error and the all-reduces per step.
 
 # %%
-row = partial(result_row, experiment="ddp_scaling", seed=seed, profile=profile, data="synthetic",
-              model="TinyTextEncoder")
+row = partial(
+    result_row,
+    experiment="ddp_scaling",
+    seed=seed,
+    profile=profile,
+    data="synthetic",
+    model="TinyTextEncoder",
+)
 result_rows = []
 for name, step in real.items():
-    (encoder_ratio, residual), (scale_ratio, _) = (gradient_ratio(step["grads"][k], reference["grads"][k])
-                                                   for k in ("encoder", "logit_scale"))
-    result_rows += [row(arm=name, metric=f"encoder_grad_ratio_W{W}", value=encoder_ratio),
-                    row(arm=name, metric=f"encoder_grad_off_multiple_W{W}", value=residual),
-                    row(arm=name, metric=f"logit_scale_grad_ratio_W{W}", value=scale_ratio)]
-result_rows += [row(arm="kit", metric=f"rel_grad_error_vs_full_batch_W{W}",
-                    value=max(relative_error(real["kit"]["grads"][k], g) for k, g in reference["grads"].items())),
-                row(arm="kit", metric="allreduces_per_step", value=len(real["kit"]["allreduces"]))]
+    (encoder_ratio, residual), (scale_ratio, _) = (
+        gradient_ratio(step["grads"][k], reference["grads"][k]) for k in ("encoder", "logit_scale")
+    )
+    result_rows += [
+        row(arm=name, metric=f"encoder_grad_ratio_W{W}", value=encoder_ratio),
+        row(arm=name, metric=f"encoder_grad_off_multiple_W{W}", value=residual),
+        row(arm=name, metric=f"logit_scale_grad_ratio_W{W}", value=scale_ratio),
+    ]
+result_rows += [
+    row(
+        arm="kit",
+        metric=f"rel_grad_error_vs_full_batch_W{W}",
+        value=max(
+            relative_error(real["kit"]["grads"][k], g) for k, g in reference["grads"].items()
+        ),
+    ),
+    row(arm="kit", metric="allreduces_per_step", value=len(real["kit"]["allreduces"])),
+]
 record(result_rows, "02_ddp_gradient_scaling")
 for r in result_rows:
     print(f"{r['arm']:<14} {r['metric']:<32} {r['value']:.3g}")
@@ -377,16 +504,33 @@ for r in result_rows:
 # ## Checks
 
 # %%
-kit_exact = all(compare(k, real["kit"]["grads"][k], reference["grads"][k], rtol=1e-10).within_tolerance
-                for k in reference["grads"])
-real_is_virtual = all(compare(n, real[n]["grads"][k], virtual[n]["grads"][k], rtol=1e-10).within_tolerance
-                      for n in CONVENTIONS for k in reference["grads"])
-measured = {name: tuple(gradient_ratio(step["grads"][k], reference["grads"][k]) for k in ("encoder", "logit_scale"))
-            for name, step in real.items()}
+kit_exact = all(
+    compare(k, real["kit"]["grads"][k], reference["grads"][k], rtol=1e-10).within_tolerance
+    for k in reference["grads"]
+)
+real_is_virtual = all(
+    compare(n, real[n]["grads"][k], virtual[n]["grads"][k], rtol=1e-10).within_tolerance
+    for n in CONVENTIONS
+    for k in reference["grads"]
+)
+measured = {
+    name: tuple(
+        gradient_ratio(step["grads"][k], reference["grads"][k]) for k in ("encoder", "logit_scale")
+    )
+    for name, step in real.items()
+}
 ratios_as_predicted = all(as_predicted(pairs, predicted[name]) for name, pairs in measured.items())
-one_allreduce = all(step["allreduces"] == [step["grads"]["encoder"].numel()] for step in real.values())
+one_allreduce = all(
+    step["allreduces"] == [step["grads"]["encoder"].numel()] for step in real.values()
+)
 ranks_bitwise = all(step["rank_difference"] == 0.0 for step in real.values())
-assert kit_exact and real_is_virtual and ratios_as_predicted and walkthrough_is_kit and sweep_as_predicted
+assert (
+    kit_exact
+    and real_is_virtual
+    and ratios_as_predicted
+    and walkthrough_is_kit
+    and sweep_as_predicted
+)
 assert one_allreduce and ranks_bitwise
 
 # %%
@@ -395,7 +539,16 @@ print(f"W = {W}, B = {per_rank}, chunk = {chunk_size}, dropout = {dropout}")
 for name, ((encoder_ratio, residual), (scale_ratio, _)) in measured.items():
     encoder_text = f"{encoder_ratio:.3f}" if residual <= 1e-10 else "not a multiple"
     print(f"{CONVENTIONS[name].label:<44} encoder {encoder_text:<15} logit scale {scale_ratio:.3f}")
-print("kit = full-batch gradient within 1e-10:", kit_exact, "| real ranks = virtual ranks:", real_is_virtual)
-print("ratios as derived:", ratios_as_predicted, f"| also on virtual ranks W = {chart_world_sizes}:",
-      sweep_as_predicted)
+print(
+    "kit = full-batch gradient within 1e-10:",
+    kit_exact,
+    "| real ranks = virtual ranks:",
+    real_is_virtual,
+)
+print(
+    "ratios as derived:",
+    ratios_as_predicted,
+    f"| also on virtual ranks W = {chart_world_sizes}:",
+    sweep_as_predicted,
+)
 print("one all-reduce per step:", one_allreduce, "| ranks bitwise equal:", ranks_bitwise)

@@ -42,7 +42,7 @@
 
 # %% tags=["parameters"]
 device = "cpu"
-seed = 0                            # seed of the demonstration cells; the comparison runs `seeds`
+seed = 0  # seed of the demonstration cells; the comparison runs `seeds`
 seeds = [0, 1, 2]
 n_items = 2048
 dim = 32
@@ -83,7 +83,10 @@ def synthetic_pairs(n, dim, clusters, seed, spread=0.5, noise=0.1):
 
 torch.manual_seed(seed)
 z1, z2 = (z.to(device) for z in synthetic_pairs(n_items, dim, clusters, seed))
-print(f"{n_items} pairs in {clusters} planted clusters, d = {dim}, batches of {batch_size}, τ = {temperature}")
+print(
+    f"{n_items} pairs in {clusters} planted clusters, d = {dim}, batches of {batch_size}, τ = "
+    f"{temperature}"
+)
 
 # %% [markdown]
 # ## 1. The gap between the global and the in-batch loss
@@ -106,26 +109,47 @@ print(f"{n_items} pairs in {clusters} planted clusters, d = {dim}, batches of {b
 # `gcbs.loss_gap` computes it exactly (float64, row blocks); we check it against two cross-entropies, for a
 # random order and for the GCBS order.
 
+
 # %%
 def scaled_similarities(z1, z2, temperature):
     """S/τ in float64 on the CPU: the logits of the global loss."""
-    return F.normalize(z1.cpu().double(), dim=1) @ F.normalize(z2.cpu().double(), dim=1).T / temperature
+    return (
+        F.normalize(z1.cpu().double(), dim=1)
+        @ F.normalize(z2.cpu().double(), dim=1).T
+        / temperature
+    )
 
 
 def brute_force_gap(z1, z2, order, batch_size, temperature):
     """L^Global − L^Train from two cross-entropies over the whole data and over each batch."""
     logits = scaled_similarities(z1, z2, temperature)
     global_loss = F.cross_entropy(logits, torch.arange(len(z1)), reduction="sum")
-    train_loss = sum(F.cross_entropy(logits[b][:, b], torch.arange(len(b)), reduction="sum")
-                     for b in order.split(batch_size))
+    train_loss = sum(
+        F.cross_entropy(logits[b][:, b], torch.arange(len(b)), reduction="sum")
+        for b in order.split(batch_size)
+    )
     return (global_loss - train_loss) / len(z1)
 
 
-orders = {"random": torch.randperm(n_items, generator=torch.Generator().manual_seed(seed)),
-          "GCBS": gcbs.gcbs_permutation(z1, z2, quantiles[0], seed=seed)}
-gaps = {name: gcbs.loss_gap(z1, z2, order, batch_size, temperature) for name, order in orders.items()}
-print(cmp_table([compare(f"gap, {name} batches", torch.tensor(gaps[name], dtype=torch.float64),
-                         brute_force_gap(z1, z2, order, batch_size, temperature)) for name, order in orders.items()]))
+orders = {
+    "random": torch.randperm(n_items, generator=torch.Generator().manual_seed(seed)),
+    "GCBS": gcbs.gcbs_permutation(z1, z2, quantiles[0], seed=seed),
+}
+gaps = {
+    name: gcbs.loss_gap(z1, z2, order, batch_size, temperature) for name, order in orders.items()
+}
+print(
+    cmp_table(
+        [
+            compare(
+                f"gap, {name} batches",
+                torch.tensor(gaps[name], dtype=torch.float64),
+                brute_force_gap(z1, z2, order, batch_size, temperature),
+            )
+            for name, order in orders.items()
+        ]
+    )
+)
 print({name: round(gap, 3) for name, gap in gaps.items()})
 
 # %% [markdown]
@@ -168,6 +192,7 @@ print({name: round(gap, 3) for name, gap in gaps.items()})
 # isolated items, and the visiting order inside each component, would follow the data's index order at every
 # epoch.
 
+
 # %%
 def plain_gcbs(z1, z2, quantile, seed):
     """Threshold, directed edge count, graph and order of GCBS, from the whole similarity matrix."""
@@ -176,9 +201,18 @@ def plain_gcbs(z1, z2, quantile, seed):
     threshold = np.quantile(similarity[off_diagonal].astype(np.float64), quantile)
     above = (similarity > threshold) & off_diagonal
     graph = sp.csr_matrix(above | above.T)
-    relabel = np.random.default_rng(seed).permutation(len(z1))  # node p of the relabelled graph is relabel[p]
-    rcm = reverse_cuthill_mckee(sp.csr_matrix((above | above.T)[np.ix_(relabel, relabel)]), symmetric_mode=True)
-    return dict(threshold=threshold, edges=int(above.sum()), graph=graph, order=torch.from_numpy(relabel[rcm]))
+    relabel = np.random.default_rng(seed).permutation(
+        len(z1)
+    )  # node p of the relabelled graph is relabel[p]
+    rcm = reverse_cuthill_mckee(
+        sp.csr_matrix((above | above.T)[np.ix_(relabel, relabel)]), symmetric_mode=True
+    )
+    return dict(
+        threshold=threshold,
+        edges=int(above.sum()),
+        graph=graph,
+        order=torch.from_numpy(relabel[rcm]),
+    )
 
 
 planted = plain_gcbs(z1, z2, quantiles[0], seed)
@@ -196,8 +230,10 @@ print(f"threshold {planted['threshold']:.4f}, {planted['edges']} directed edges"
 # candidates), a second pass runs without one. Here is the library's code:
 
 # %%
-source = "\n\n".join(inspect.getsource(f) for f in
-                       (gcbs.gcbs_permutation, gcbs._threshold_and_candidates, gcbs._candidates))
+source = "\n\n".join(
+    inspect.getsource(f)
+    for f in (gcbs.gcbs_permutation, gcbs._threshold_and_candidates, gcbs._candidates)
+)
 display(Markdown(f"```python\n{source}```"))
 print(len(source.splitlines()), "lines")
 
@@ -208,21 +244,33 @@ print(len(source.splitlines()), "lines")
 
 # %%
 threshold = gcbs._threshold_and_candidates(*gcbs.unit_rows(z1, z2), quantiles[0])[0]
-print(cmp_table([compare("threshold vs np.quantile", torch.tensor(threshold, dtype=torch.float64),
-                         torch.tensor(planted["threshold"]))]))
+print(
+    cmp_table(
+        [
+            compare(
+                "threshold vs np.quantile",
+                torch.tensor(threshold, dtype=torch.float64),
+                torch.tensor(planted["threshold"]),
+            )
+        ]
+    )
+)
 threshold_exact = threshold == planted["threshold"]
 same_order = torch.equal(orders["GCBS"], planted["order"])
 target = (1 - quantiles[0]) * n_items * (n_items - 1)
 edge_error = abs(planted["edges"] - target) / target
 no_diagonal = bool(planted["graph"].diagonal().sum() == 0)
 print(f"library order equals the plain order: {same_order}")
-print(f"edges {planted['edges']} vs (1−q)·N·(N−1) = {target:.0f}: relative error {edge_error:.1e}; "
-      f"diagonal edges: {planted['graph'].diagonal().sum()}")
+print(
+    f"edges {planted['edges']} vs (1−q)·N·(N−1) = {target:.0f}: relative error {edge_error:.1e}; "
+    f"diagonal edges: {planted['graph'].diagonal().sum()}"
+)
 
 # %% [markdown]
 # Each step of the chain of section 2, for the random and the GCBS order: the gap, both bounds on it, the
 # bandwidth, the cut edges and their bandwidth bound, and whether that bound is vacuous (at least the number of
 # edges).
+
 
 # %%
 def batch_ids(order):
@@ -247,8 +295,10 @@ def gap_bounds(order, graph, t):
     positive, outside = logits.diagonal(), batch_of[:, None] != batch_of[None, :]
     first = ((logits - positive[:, None]).exp() * outside).sum() / n_items
     c = (torch.from_numpy(graph.toarray()) & outside).sum(1)
-    second = ((-positive).exp() * ((n_items - (~outside).sum(1)) * np.exp(t / temperature)
-                                   + c * np.exp(1 / temperature))).sum() / n_items
+    second = (
+        (-positive).exp()
+        * ((n_items - (~outside).sum(1)) * np.exp(t / temperature) + c * np.exp(1 / temperature))
+    ).sum() / n_items
     return float(first), float(second), int(c.sum()) // 2
 
 
@@ -260,13 +310,18 @@ for name, order in orders.items():
     beta = bandwidth(planted["graph"], order)
     cut_bound = boundaries * beta * (beta + 1) // 2
     chain[name] = dict(first=first, second=second, cut=cut, beta=beta, cut_bound=cut_bound)
-    print(f"{name:6}  gap {gaps[name]:.3f} ≤ {first:.3g} ≤ {second:.3g} ({second / gaps[name]:.0f}× the gap)  "
-          f"bandwidth {beta:4d}  cut edges {cut:5d} of {total_edges} ≤ {cut_bound:9d}  "
-          f"vacuous: {cut_bound >= total_edges}")
+    print(
+        f"{name:6}  gap {gaps[name]:.3f} ≤ {first:.3g} ≤ {second:.3g} ({second / gaps[name]:.0f}× "
+        "the gap)  "
+        f"bandwidth {beta:4d}  cut edges {cut:5d} of {total_edges} ≤ {cut_bound:9d}  "
+        f"vacuous: {cut_bound >= total_edges}"
+    )
 bandwidth_bound_vacuous = chain["GCBS"]["cut_bound"] >= total_edges
 bandwidth_ratio = chain["GCBS"]["beta"] / chain["random"]["beta"]
-print(f"GCBS: {bandwidth_ratio:.1%} of the random order's bandwidth, "
-      f"{chain['GCBS']['cut'] / chain['random']['cut']:.0%} of its cut edges")
+print(
+    f"GCBS: {bandwidth_ratio:.1%} of the random order's bandwidth, "
+    f"{chain['GCBS']['cut'] / chain['random']['cut']:.0%} of its cut edges"
+)
 
 # %% [markdown]
 # **Read the last column.** RCM shrinks the bandwidth from nearly $N$ (random order) to about a batch, yet even
@@ -288,15 +343,25 @@ print(f"GCBS: {bandwidth_ratio:.1%} of the random order's bandwidth, "
 similarity = (F.normalize(z1, dim=1) @ F.normalize(z2, dim=1).T).cpu()
 g = planted["order"].numpy()
 fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), dpi=72, layout="constrained")
-for ax, matrix, title in [(axes[0], similarity, "S, index order"), (axes[1], similarity[g][:, g], "S, GCBS order")]:
+for ax, matrix, title in [
+    (axes[0], similarity, "S, index order"),
+    (axes[1], similarity[g][:, g], "S, GCBS order"),
+]:
     image = ax.imshow(matrix, cmap="viridis", vmin=-0.3, vmax=1)
     ax.set(title=title, xlabel="positive j (z²)", ylabel="anchor i (z¹)")
-fig.colorbar(image, ax=axes[:2].tolist(), label="cosine similarity $S_{ij}$ (clipped at −0.3)", shrink=0.85)
+fig.colorbar(
+    image, ax=axes[:2].tolist(), label="cosine similarity $S_{ij}$ (clipped at −0.3)", shrink=0.85
+)
 axes[2].spy(planted["graph"][g][:, g][:256, :256], markersize=1, color="k")
 for start in range(0, 256, batch_size):  # the batches: squares on the diagonal
-    axes[2].add_patch(plt.Rectangle((start - 0.5, start - 0.5), batch_size, batch_size, fill=False, ec="tab:red"))
-axes[2].set(title=f"edges of $G_t$ (q = {quantiles[0]}), first 256 positions",
-            xlabel="position in the GCBS order", ylabel="position in the GCBS order")
+    axes[2].add_patch(
+        plt.Rectangle((start - 0.5, start - 0.5), batch_size, batch_size, fill=False, ec="tab:red")
+    )
+axes[2].set(
+    title=f"edges of $G_t$ (q = {quantiles[0]}), first 256 positions",
+    xlabel="position in the GCBS order",
+    ylabel="position in the GCBS order",
+)
 plt.show()
 
 # %% [markdown]
@@ -307,6 +372,7 @@ plt.show()
 # similar other items that land in its batch (a random order gives about $(B-1)/(N-1)$); and the share of the
 # graph's edges that are **cut**, computed for both orders on the graph $G_t$ of each quantile (a random order
 # cuts an edge unless its other end is one of the $B-1$ items of the same batch: about $1-(B-1)/(N-1)$).
+
 
 # %%
 def topk_batch_share(z1, z2, order, k):
@@ -330,11 +396,28 @@ for s in seeds:
     shuffled = torch.randperm(n_items, generator=torch.Generator().manual_seed(s))
     graphs = {q: plain_gcbs(y1, y2, q, s)["graph"] for q in quantiles}
     ordered = {q: gcbs.gcbs_permutation(y1, y2, q, seed=s) for q in quantiles}
-    for arm, q, order in [("random", None, shuffled)] + [("GCBS", q, o) for q, o in ordered.items()]:
-        rows.append(dict(seed=s, arm=arm, q=q, gap=gcbs.loss_gap(y1, y2, order, batch_size, temperature),
-                         share=topk_batch_share(y1, y2, order, top_k)))
-    cuts += [dict(seed=s, q=q, edges=graphs[q].nnz // 2, random=cut_edges(graphs[q], shuffled),
-                  GCBS=cut_edges(graphs[q], ordered[q])) for q in quantiles]
+    for arm, q, order in [("random", None, shuffled)] + [
+        ("GCBS", q, o) for q, o in ordered.items()
+    ]:
+        rows.append(
+            dict(
+                seed=s,
+                arm=arm,
+                q=q,
+                gap=gcbs.loss_gap(y1, y2, order, batch_size, temperature),
+                share=topk_batch_share(y1, y2, order, top_k),
+            )
+        )
+    cuts += [
+        dict(
+            seed=s,
+            q=q,
+            edges=graphs[q].nnz // 2,
+            random=cut_edges(graphs[q], shuffled),
+            GCBS=cut_edges(graphs[q], ordered[q]),
+        )
+        for q in quantiles
+    ]
 
 
 def mean_sd(values):
@@ -356,11 +439,16 @@ print(f"{'arm':7} {'q':>6} | {'gap (mean ± sd)':>16} | {f'top-{top_k} share':>1
 for arm, q in [("random", None)] + [("GCBS", q) for q in quantiles]:
     (g_m, g_s), (s_m, s_s) = arm_stat(arm, q, "gap"), arm_stat(arm, q, "share")
     print(f"{arm:7} {q if q else '-':>6} | {g_m:8.3f} ± {g_s:5.3f} | {s_m:8.3f} ± {s_s:5.3f}")
-print(f"\n{'q':>6} | {'edges of G_t':>12} | {'cut, random':>15} | {'cut, GCBS':>15} | GCBS / random")
+print(
+    f"\n{'q':>6} | {'edges of G_t':>12} | {'cut, random':>15} | {'cut, GCBS':>15} | GCBS / random"
+)
 for q in quantiles:
     edges = np.mean([c["edges"] for c in cuts if c["q"] == q])
     (r_m, r_s), (g_m, g_s) = cut_share("random", q), cut_share("GCBS", q)
-    print(f"{q:>6} | {edges:12.0f} | {r_m:6.1%} ± {r_s:4.1%} | {g_m:6.1%} ± {g_s:4.1%} | {g_m / r_m:.2f}")
+    print(
+        f"{q:>6} | {edges:12.0f} | {r_m:6.1%} ± {r_s:4.1%} | {g_m:6.1%} ± {g_s:4.1%} | "
+        f"{g_m / r_m:.2f}"
+    )
 
 # %% [markdown]
 # In the figure, each panel against the quantile $q$ (mean ± sd over seeds): GCBS (blue) against random
@@ -369,7 +457,10 @@ for q in quantiles:
 
 # %% tags=["figure:gap-share-cut-vs-quantile"]
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
-labels = {"gap": r"loss gap $\mathcal{L}^{Global} - \mathcal{L}^{Train}$", "share": f"top-{top_k} in-batch share"}
+labels = {
+    "gap": r"loss gap $\mathcal{L}^{Global} - \mathcal{L}^{Train}$",
+    "share": f"top-{top_k} in-batch share",
+}
 titles = ("loss gap of the batches", f"top-{top_k} neighbours kept in one batch")
 for ax, (key, label), title in zip(axes, labels.items(), titles):
     means, sds = zip(*[arm_stat("GCBS", q, key) for q in quantiles])
@@ -380,9 +471,20 @@ for ax, (key, label), title in zip(axes, labels.items(), titles):
     ax.set(xlabel="quantile q", ylabel=label, title=title)
 for arm, style in [("GCBS", dict(marker="o")), ("random", dict(marker="s", color="0.4", ls="--"))]:
     means, sds = zip(*[cut_share(arm, q) for q in quantiles])
-    axes[2].errorbar(quantiles, means, yerr=sds, capsize=3, label=f"{arm} batches" if arm == "random" else arm, **style)
-axes[2].set(xlabel="quantile q", ylabel="share of the edges of $G_t$ cut", ylim=(0, 1.05),
-            title="edges cut by the batches")
+    axes[2].errorbar(
+        quantiles,
+        means,
+        yerr=sds,
+        capsize=3,
+        label=f"{arm} batches" if arm == "random" else arm,
+        **style,
+    )
+axes[2].set(
+    xlabel="quantile q",
+    ylabel="share of the edges of $G_t$ cut",
+    ylim=(0, 1.05),
+    title="edges cut by the batches",
+)
 for ax in axes:
     ax.set_xticks(quantiles, [str(q) for q in quantiles])
 axes[0].legend()
@@ -397,12 +499,24 @@ plt.show()
 # %%
 random_cut_expected = 1 - (batch_size - 1) / (n_items - 1)
 cut_ratio = {q: cut_share("GCBS", q)[0] / cut_share("random", q)[0] for q in quantiles}
-random_cut_as_expected = all(abs(cut_share("random", q)[0] / random_cut_expected - 1) < 0.01 for q in quantiles)
-gap_lower = {q: bool(arm_stat("GCBS", q, "gap")[0] < arm_stat("random", None, "gap")[0]) for q in quantiles}
-share_ratio = {q: float(arm_stat("GCBS", q, "share")[0] / arm_stat("random", None, "share")[0]) for q in quantiles}
-gap_reduction = {q: float(1 - arm_stat("GCBS", q, "gap")[0] / arm_stat("random", None, "gap")[0]) for q in quantiles}
-print(f"random order cuts {random_cut_expected:.1%} of the edges in expectation:",
-      {q: f"{cut_share('random', q)[0]:.1%}" for q in quantiles})
+random_cut_as_expected = all(
+    abs(cut_share("random", q)[0] / random_cut_expected - 1) < 0.01 for q in quantiles
+)
+gap_lower = {
+    q: bool(arm_stat("GCBS", q, "gap")[0] < arm_stat("random", None, "gap")[0]) for q in quantiles
+}
+share_ratio = {
+    q: float(arm_stat("GCBS", q, "share")[0] / arm_stat("random", None, "share")[0])
+    for q in quantiles
+}
+gap_reduction = {
+    q: float(1 - arm_stat("GCBS", q, "gap")[0] / arm_stat("random", None, "gap")[0])
+    for q in quantiles
+}
+print(
+    f"random order cuts {random_cut_expected:.1%} of the edges in expectation:",
+    {q: f"{cut_share('random', q)[0]:.1%}" for q in quantiles},
+)
 print("cut edges, GCBS / random:", {q: round(r, 2) for q, r in cut_ratio.items()})
 print("GCBS gap below random:", gap_lower)
 print("gap reduction:", {q: f"{r:.0%}" for q, r in gap_reduction.items()})
@@ -416,13 +530,14 @@ print("top-k share, GCBS / random:", {q: round(r, 1) for q, r in share_ratio.ite
 # in the number of edges, $(1-q)N^2$). One small run first, so that no one-time set-up lands in the first
 # measurement. `bench/bench_gcbs.py` times $N$ up to 200k against the floor and the published implementation.
 
+
 # %%
 def floor_pass(z1, z2):
     """One pass of the similarity matmul over all N² pairs, in the library's row blocks."""
     u1, u2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
     rows = max(1, gcbs.BLOCK_ELEMENTS // len(u1))
     for start in range(0, len(u1), rows):
-        u1[start:start + rows] @ u2.T
+        u1[start : start + rows] @ u2.T
 
 
 costs = []
@@ -435,15 +550,29 @@ for n in cost_sizes[:1] + cost_sizes:  # the first run is the warm-up
     costs.append((n, middle - start, time.perf_counter() - middle))
 costs = costs[1:]
 for n, floor, kit in costs:
-    print(f"N = {n:6d}: floor {floor:.3f} s, GCBS permutation {kit:.3f} s ({kit / floor:.1f}× the floor)")
+    print(
+        f"N = {n:6d}: floor {floor:.3f} s, GCBS permutation {kit:.3f} s ({kit / floor:.1f}× the "
+        "floor)"
+    )
 
 # %% tags=["figure:permutation-cost-vs-n"]
 fig, ax = plt.subplots(figsize=(6, 4))
 ax.loglog(cost_sizes, [kit for _, _, kit in costs], marker="o", label="GCBS permutation")
-ax.loglog(cost_sizes, [floor for _, floor, _ in costs], marker="s", color="0.4", ls="--", label="floor: matmul pass")
+ax.loglog(
+    cost_sizes,
+    [floor for _, floor, _ in costs],
+    marker="s",
+    color="0.4",
+    ls="--",
+    label="floor: matmul pass",
+)
 ax.set_xticks(cost_sizes, [str(n) for n in cost_sizes])
 ax.xaxis.set_minor_locator(plt.NullLocator())  # no minor tick labels between the sizes
-ax.set(xlabel="N (pairs)", ylabel="seconds", title=f"GCBS permutation cost, d = {dim}, q = {quantiles[-1]}")
+ax.set(
+    xlabel="N (pairs)",
+    ylabel="seconds",
+    title=f"GCBS permutation cost, d = {dim}, q = {quantiles[-1]}",
+)
 ax.legend()
 plt.show()
 
@@ -470,14 +599,21 @@ def shared_keys(batches):
     return sum(len(b) - len({keys[i] for i in b}) for b in batches.tolist())
 
 
-batches = gcbs.gcbs_batches(d1, d2, batch_size, quantile=quantiles[0], seed=seed, epoch=0, keys=keys)
+batches = gcbs.gcbs_batches(
+    d1, d2, batch_size, quantile=quantiles[0], seed=seed, epoch=0, keys=keys
+)
 unkeyed = gcbs.gcbs_batches(d1, d2, batch_size, quantile=quantiles[0], seed=seed, epoch=0)
-next_epoch = gcbs.gcbs_batches(d1, d2, batch_size, quantile=quantiles[0], seed=seed, epoch=1, keys=keys)
+next_epoch = gcbs.gcbs_batches(
+    d1, d2, batch_size, quantile=quantiles[0], seed=seed, epoch=1, keys=keys
+)
 no_duplicate_in_batch = shared_keys(batches) == 0 < shared_keys(unkeyed)
 every_item_once = len(batches.unique()) == batches.numel() == n_items // batch_size * batch_size
-print(f"batches {tuple(batches.shape)}; items sharing a key with a batch-mate: {shared_keys(unkeyed)} without "
-      f"keys, {shared_keys(batches)} with keys; every item once: {every_item_once}; "
-      f"epoch 1 differs: {not torch.equal(batches, next_epoch)}")
+print(
+    f"batches {tuple(batches.shape)}; items sharing a key with a batch-mate: "
+    f"{shared_keys(unkeyed)} without "
+    f"keys, {shared_keys(batches)} with keys; every item once: {every_item_once}; "
+    f"epoch 1 differs: {not torch.equal(batches, next_epoch)}"
+)
 
 # %% [markdown]
 # ## Result rows
@@ -488,17 +624,33 @@ print(f"batches {tuple(batches.shape)}; items sharing a key with a batch-mate: {
 # is measured on each quantile's graph.
 
 # %%
-row = partial(result_row, experiment="gcbs_sampling", profile=profile, data="synthetic",
-              model=f"planted clusters, d={dim}")
+row = partial(
+    result_row,
+    experiment="gcbs_sampling",
+    profile=profile,
+    data="synthetic",
+    model=f"planted clusters, d={dim}",
+)
 result_rows = []
 for q in quantiles:
     for r in rows:
         arm = "random" if r["arm"] == "random" else "gcbs"
         if r["q"] in (None, q):
-            result_rows += [row(arm=arm, seed=r["seed"], metric=f"loss_gap_q{q}", value=r["gap"]),
-                            row(arm=arm, seed=r["seed"], metric=f"top{top_k}_share_q{q}", value=r["share"])]
-    result_rows += [row(arm=arm.lower(), seed=c["seed"], metric=f"cut_edge_share_q{q}", value=c[arm] / c["edges"])
-                    for c in cuts if c["q"] == q for arm in ("random", "GCBS")]
+            result_rows += [
+                row(arm=arm, seed=r["seed"], metric=f"loss_gap_q{q}", value=r["gap"]),
+                row(arm=arm, seed=r["seed"], metric=f"top{top_k}_share_q{q}", value=r["share"]),
+            ]
+    result_rows += [
+        row(
+            arm=arm.lower(),
+            seed=c["seed"],
+            metric=f"cut_edge_share_q{q}",
+            value=c[arm] / c["edges"],
+        )
+        for c in cuts
+        if c["q"] == q
+        for arm in ("random", "GCBS")
+    ]
 record(result_rows, "03_gcbs_sampling")
 print(f"{len(result_rows)} rows, metrics: {sorted({r['metric'] for r in result_rows})}")
 
@@ -506,24 +658,37 @@ print(f"{len(result_rows)} rows, metrics: {sorted({r['metric'] for r in result_r
 # ## Checks
 
 # %%
-assert threshold_exact and same_order, "the library must give the plain version's threshold and order"
+assert threshold_exact and same_order, (
+    "the library must give the plain version's threshold and order"
+)
 assert edge_error < 0.01 and no_diagonal
 assert bandwidth_ratio < 0.1, "RCM should shrink the bandwidth far below a random order's"
 assert random_cut_as_expected, "a random order should cut 1 − (B−1)/(N−1) of the edges"
-assert all(ratio < 0.5 for ratio in cut_ratio.values()), "GCBS should cut under half the edges a random order cuts"
+assert all(ratio < 0.5 for ratio in cut_ratio.values()), (
+    "GCBS should cut under half the edges a random order cuts"
+)
 assert all(gap_lower.values()), "GCBS batches should have a smaller loss gap than random ones"
-assert share_ratio[quantiles[0]] > 5, "GCBS batches should hold far more of each item's nearest neighbours"
+assert share_ratio[quantiles[0]] > 5, (
+    "GCBS batches should hold far more of each item's nearest neighbours"
+)
 assert no_duplicate_in_batch and every_item_once
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print("pairs, batch size, clusters:", n_items, batch_size, clusters)
-print("threshold equals np.quantile, order equals the plain version:", threshold_exact and same_order)
-print("edge count within 1% of (1-q)N(N-1):", edge_error < 0.01, "| no diagonal edges:", no_diagonal)
+print(
+    "threshold equals np.quantile, order equals the plain version:", threshold_exact and same_order
+)
+print(
+    "edge count within 1% of (1-q)N(N-1):", edge_error < 0.01, "| no diagonal edges:", no_diagonal
+)
 print("GCBS bandwidth under a tenth of random's:", bandwidth_ratio < 0.1)
 print("bandwidth bound on the cut edges vacuous at q =", quantiles[0], ":", bandwidth_bound_vacuous)
 print("random order cuts 1-(B-1)/(N-1) of the edges (within 1%):", random_cut_as_expected)
-print("GCBS cuts under half the edges random batches cut, at every q:", all(r < 0.5 for r in cut_ratio.values()))
+print(
+    "GCBS cuts under half the edges random batches cut, at every q:",
+    all(r < 0.5 for r in cut_ratio.values()),
+)
 print("GCBS gap below random at every quantile:", all(gap_lower.values()))
 print(f"top-{top_k} share over 5x random at q={quantiles[0]}:", share_ratio[quantiles[0]] > 5)
 print("duplicates kept apart, every item once:", no_duplicate_in_batch and every_item_once)

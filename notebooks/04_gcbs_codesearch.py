@@ -42,15 +42,17 @@
 
 # %% tags=["parameters"]
 device = "cpu"
-seeds = [0, 1]                    # every arm runs on each of these seeds
-profile = "ci"                    # profile of gcbs_lib/configs/codesearch.yaml behind every run
-arms = ["random", "gcbs", "hard_negatives"]   # samplers compared; "random" is the baseline
-data = ""                         # empty: the profile's; else stdlib-csn, stdlib-advtest, cosqa, advtest, csn
-data_root = ""                    # empty: gcbs_lib.data.data_root(), i.e. env GCBS_DATA_ROOT or <repo>/data
-overrides = {}                    # further config keys for every run, e.g. {"epochs": 3}
-nproc = 1                         # DDP ranks per run (torchrun through gcbs_lib.distributed.launch)
-backend = "gloo"                  # "nccl" on GPUs
-output_dir = "../runs/04_gcbs_codesearch"   # one folder per run; a finished run is loaded, not retrained
+seeds = [0, 1]  # every arm runs on each of these seeds
+profile = "ci"  # profile of gcbs_lib/configs/codesearch.yaml behind every run
+arms = ["random", "gcbs", "hard_negatives"]  # samplers compared; "random" is the baseline
+data = ""  # empty: the profile's; else stdlib-csn, stdlib-advtest, cosqa, advtest, csn
+data_root = ""  # empty: gcbs_lib.data.data_root(), i.e. env GCBS_DATA_ROOT or <repo>/data
+overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
+nproc = 1  # DDP ranks per run (torchrun through gcbs_lib.distributed.launch)
+backend = "gloo"  # "nccl" on GPUs
+output_dir = (
+    "../runs/04_gcbs_codesearch"  # one folder per run; a finished run is loaded, not retrained
+)
 
 # %%
 import inspect
@@ -63,24 +65,40 @@ import torch.nn.functional as F
 
 from gcbs_lib import experiments
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import arm_configs, arms_table, pilot_plan, plot_deltas, plot_over_seeds, rows_of, run_arms
+from gcbs_lib.comparison import (
+    arm_configs,
+    arms_table,
+    pilot_plan,
+    plot_deltas,
+    plot_over_seeds,
+    rows_of,
+    run_arms,
+)
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import gcbs_batches
 from gcbs_lib.results import COMMITTED, build_table, read_rows, record
 from gcbs_lib.seeding import generator
 
 # %%
-settings = {**overrides, "device": device, **({"data": data} if data else {}),
-            **({"data_root": data_root} if data_root else {})}
-configs = arm_configs("codesearch", profile, arms, seeds, settings)  # what run_arms trains, seed by seed
+settings = {
+    **overrides,
+    "device": device,
+    **({"data": data} if data else {}),
+    **({"data_root": data_root} if data_root else {}),
+}
+configs = arm_configs(
+    "codesearch", profile, arms, seeds, settings
+)  # what run_arms trains, seed by seed
 base = configs[arms[0], seeds[0]]
 runs = Path(output_dir) / profile
 experiment = experiments.get("codesearch")(base.options, seed=seeds[0], device=device)
 train_set = experiment.load_data()
 torch.manual_seed(seeds[0])
-model = experiment.build_model().to(device).eval()   # the starting model, as every run starts
-print(f"{len(configs)} runs ({len(arms)} arms × {len(seeds)} seeds), batch {base.batch_size}, "
-      f"encoder {base.options.encoder}, data {base.options.data}: {train_set.size} training pairs")
+model = experiment.build_model().to(device).eval()  # the starting model, as every run starts
+print(
+    f"{len(configs)} runs ({len(arms)} arms × {len(seeds)} seeds), batch {base.batch_size}, "
+    f"encoder {base.options.encoder}, data {base.options.data}: {train_set.size} training pairs"
+)
 
 # %% [markdown]
 # ## UniXcoder's recipe
@@ -110,11 +128,15 @@ print(inspect.getsource(type(model).forward))
 batch = experiment.collate([0, 1, 2, 3], negatives=[4, 5, 6, 7])
 with torch.no_grad():  # c: each query's code, then its negative: c_0, c_4, c_1, c_5, ...
     q, c = (model(to_device(x, device)).float().cpu() for x in batch.inputs)
-    by_hand = F.cross_entropy(20.0 * q @ c.T, torch.arange(4) * 2)   # q_i's positive is column 2i
-    checks = [compare("unit norms", q.norm(dim=1), torch.ones(4)),
-              compare("loss = cross-entropy of 20·q·cᵀ", experiment.loss([q, c], batch, 20.0), by_hand)]
+    by_hand = F.cross_entropy(20.0 * q @ c.T, torch.arange(4) * 2)  # q_i's positive is column 2i
+    checks = [
+        compare("unit norms", q.norm(dim=1), torch.ones(4)),
+        compare("loss = cross-entropy of 20·q·cᵀ", experiment.loss([q, c], batch, 20.0), by_hand),
+    ]
 print(f"query {tuple(q.shape)}, code {tuple(c.shape)}; example pair:")
-print("  query:", experiment.train[0]["query"][:90], "\n  code: ", experiment.train[0]["code"][:120])
+print(
+    "  query:", experiment.train[0]["query"][:90], "\n  code: ", experiment.train[0]["code"][:120]
+)
 print(cmp_table(checks))
 
 # %% [markdown]
@@ -128,15 +150,21 @@ print(cmp_table(checks))
 # different batches. Checked here with the starting model on (up to 4096 of) the training pairs:
 
 # %%
-n, b = min(train_set.size, 4096), base.batch_size               # at most 4096 pairs: n² scores fit in memory
+n, b = min(train_set.size, 4096), base.batch_size  # at most 4096 pairs: n² scores fit in memory
 with torch.no_grad():
-    chunks = [experiment.pair_embeddings(model, i) for i in torch.arange(n).split(base.embed_batch_size)]
+    chunks = [
+        experiment.pair_embeddings(model, i) for i in torch.arange(n).split(base.embed_batch_size)
+    ]
 z1, z2 = (torch.cat([chunk[k] for chunk in chunks]).float().cpu() for k in (0, 1))
-scores = (z1 @ z2.T).fill_diagonal_(-2.0)                     # every (query, other code) similarity
-hardest = scores >= scores.flatten().topk(max(1, n * n // 1000)).values[-1]   # top 0.1 %
+scores = (z1 @ z2.T).fill_diagonal_(-2.0)  # every (query, other code) similarity
+hardest = scores >= scores.flatten().topk(max(1, n * n // 1000)).values[-1]  # top 0.1 %
 keys = torch.tensor(train_set.duplicate_keys[:n])
-ordered = {"random": torch.randperm(n, generator=generator(seeds[0], 0, "shuffle"))[: n // b * b].view(-1, b),
-           "gcbs": gcbs_batches(z1, z2, b, quantile=base.gcbs_quantile, seed=seeds[0], keys=keys)}
+ordered = {
+    "random": torch.randperm(n, generator=generator(seeds[0], 0, "shuffle"))[: n // b * b].view(
+        -1, b
+    ),
+    "gcbs": gcbs_batches(z1, z2, b, quantile=base.gcbs_quantile, seed=seeds[0], keys=keys),
+}
 
 
 def share_in_batch(batches):
@@ -149,11 +177,19 @@ def share_in_batch(batches):
 
 # %%
 share = {name: share_in_batch(batches) for name, batches in ordered.items()}
-mixed = {name: sum(len(set(keys[rows].tolist())) < b for rows in batches) for name, batches in ordered.items()}
-print(f"{n} pairs, {int((keys.bincount()[keys] > 1).sum())} in a duplicate group; batch {b} (B/N = {b / n:.3f})")
+mixed = {
+    name: sum(len(set(keys[rows].tolist())) < b for rows in batches)
+    for name, batches in ordered.items()
+}
+print(
+    f"{n} pairs, {int((keys.bincount()[keys] > 1).sum())} in a duplicate group; batch {b} (B/N = "
+    f"{b / n:.3f})"
+)
 for name in ordered:
-    print(f"{name:>7}: {100 * share[name]:5.1f} % of the hardest pairs share a batch; "
-          f"{mixed[name]} of {len(ordered[name])} batches hold two pairs of one duplicate group")
+    print(
+        f"{name:>7}: {100 * share[name]:5.1f} % of the hardest pairs share a batch; "
+        f"{mixed[name]} of {len(ordered[name])} batches hold two pairs of one duplicate group"
+    )
 groups_apart = mixed["gcbs"] == 0
 
 # %% [markdown]
@@ -183,11 +219,17 @@ groups_apart = mixed["gcbs"] == 0
 # measurement, not a verdict.
 
 # %%
-committed = build_table(read_rows(COMMITTED / "04_gcbs_codesearch.cpu.json"))  # the README's lines of the run
-pilot = next(line for line in committed if line.metric == "test_mrr").differences[:2]  # its seeds 0 and 1
+committed = build_table(
+    read_rows(COMMITTED / "04_gcbs_codesearch.cpu.json")
+)  # the README's lines of the run
+pilot = next(line for line in committed if line.metric == "test_mrr").differences[
+    :2
+]  # its seeds 0 and 1
 PILOT_SD, PILOT_SECONDS = statistics.stdev(pilot), 1458  # seconds a seed, both arms (the run's log)
 print(f"pilot Δ {pilot[0]:+.4f}, {pilot[1]:+.4f}: s_Δ = {PILOT_SD:.4f}")
-half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS, budget_minutes=180)
+half_width = pilot_plan(
+    sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS, budget_minutes=180
+)
 
 # %% [markdown]
 # ## Training: one loss, three ways to choose the negatives
@@ -210,7 +252,9 @@ half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS
 # checkpoints and result rows in its folder; a rerun resumes (or, finished, re-scores) instead of training again.
 
 # %%
-summaries = run_arms("codesearch", profile, arms, seeds, runs, settings, nproc=nproc, backend=backend)
+summaries = run_arms(
+    "codesearch", profile, arms, seeds, runs, settings, nproc=nproc, backend=backend
+)
 
 # %% [markdown]
 # ## Test scores per arm
@@ -221,8 +265,10 @@ summaries = run_arms("codesearch", profile, arms, seeds, runs, settings, nproc=n
 # stand-in copies.
 
 # %%
-delta = arms_table(summaries, stand_in="docstring → function pairs of the Python standard library, not the "
-                                      "paper's datasets")
+delta = arms_table(
+    summaries,
+    stand_in="docstring → function pairs of the Python standard library, not the paper's datasets",
+)
 
 # %% [markdown]
 # ## Dev MRR during training, and the loss gap each arm trains with
@@ -262,9 +308,13 @@ rows = rows_of(summaries)
 record(rows, "04_gcbs_codesearch")
 for arm in [a for a in arms if a != "random"]:
     line = delta[f"{arm}/test_mrr"]  # Δ paired by seed, its 95 % t-interval (none with one seed)
-    print(f"{arm}: Δ test MRR {line.delta:+.4f} over {line.kit.n} seeds, 95 % CI "
-          f"{'—' if line.low is None else f'[{line.low:+.4f}, {line.high:+.4f}]'} (paper, GCBS: +0.010 / +0.020 / "
-          f"+0.022): {line.verdict} [{experiment.data_name}, {experiment.model_name}, profile {profile}]")
+    print(
+        f"{arm}: Δ test MRR {line.delta:+.4f} over {line.kit.n} seeds, 95 % CI "
+        f"{'—' if line.low is None else f'[{line.low:+.4f}, {line.high:+.4f}]'} (paper, GCBS: "
+        "+0.010 / +0.020 / "
+        f"+0.022): {line.verdict} [{experiment.data_name}, {experiment.model_name}, profile "
+        f"{profile}]"
+    )
 
 # %%
 assert all(check.within_tolerance for check in checks)
@@ -274,6 +324,11 @@ assert groups_apart
 # %%
 # NBVAL_CHECK_OUTPUT
 print("arms:", arms, "| seeds:", len(seeds), "| runs:", len(summaries))
-print("unit embeddings, loss = cross-entropy of 20·q·cᵀ:", all(check.within_tolerance for check in checks))
-print("GCBS batches hold more of the hardest pairs than random ones:", share["gcbs"] > share["random"])
+print(
+    "unit embeddings, loss = cross-entropy of 20·q·cᵀ:",
+    all(check.within_tolerance for check in checks),
+)
+print(
+    "GCBS batches hold more of the hardest pairs than random ones:", share["gcbs"] > share["random"]
+)
 print("no GCBS batch holds two pairs of one duplicate group:", groups_apart)

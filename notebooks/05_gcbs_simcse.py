@@ -37,12 +37,12 @@
 
 # %% tags=["parameters"]
 device = "cpu"
-seed = 0                            # seed of the demonstration cells; the comparison runs `seeds`
-profile = "ci"                      # profile of gcbs_lib/configs/simcse.yaml behind every run
+seed = 0  # seed of the demonstration cells; the comparison runs `seeds`
+profile = "ci"  # profile of gcbs_lib/configs/simcse.yaml behind every run
 seeds = [0, 1]
-arms = ["random", "gcbs"]           # samplers compared; "random" is the baseline
-overrides = {}                      # further config keys for every run, e.g. {"epochs": 3}
-output_dir = "../runs/05_gcbs_simcse"   # one folder per run; a finished run is loaded, not retrained
+arms = ["random", "gcbs"]  # samplers compared; "random" is the baseline
+overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
+output_dir = "../runs/05_gcbs_simcse"  # one folder per run; a finished run is loaded, not retrained
 
 # %%
 import inspect
@@ -53,8 +53,15 @@ import torch
 import torch.nn.functional as F
 
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import (arms_table, first_gap_no_larger, pilot_plan, plot_deltas, plot_over_seeds, rows_of,
-                                 run_arms)
+from gcbs_lib.comparison import (
+    arms_table,
+    first_gap_no_larger,
+    pilot_plan,
+    plot_deltas,
+    plot_over_seeds,
+    rows_of,
+    run_arms,
+)
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.experiments.simcse import SimCSE
 from gcbs_lib.results import paper_delta, record
@@ -64,7 +71,10 @@ PAPER = paper_delta("simcse", "gcbs", "test_spearman")  # +1.03 STS points
 settings = {**overrides, "device": device}
 config = load_config("simcse", profile, {**settings, "seed": seed})
 torch.manual_seed(seed)
-print(f"profile={profile}  device={device}  arms={arms}  seeds={seeds}  encoder={config.options.encoder}")
+print(
+    f"profile={profile}  device={device}  arms={arms}  seeds={seeds}  "
+    f"encoder={config.options.encoder}"
+)
 
 # %% [markdown]
 # ## 1 · Dropout as data augmentation
@@ -102,14 +112,27 @@ with torch.no_grad():
     z1, z2 = model.train()(first), model(second)
     e1, e2 = model.eval()(first), model(second)
     hidden, real = model.backbone(**first).last_hidden_state, first["attention_mask"].unsqueeze(-1)
-    raw = hidden[:, 0] if config.options.pooling == "cls_mlp_train" else (hidden * real).sum(1) / real.sum(1)
+    raw = (
+        hidden[:, 0]
+        if config.options.pooling == "cls_mlp_train"
+        else (hidden * real).sum(1) / real.sum(1)
+    )
     raw = F.normalize(raw, dim=-1)
 cosines = z1 @ z2.T
-print(f"cos(h_i, h_i+) two dropout masks: {cosines.diagonal().mean():.4f}   "
-      f"cos(h_i, h_j+) other sentences: {cosines[~torch.eye(8, dtype=torch.bool)].mean():.4f}")
+print(
+    f"cos(h_i, h_i+) two dropout masks: {cosines.diagonal().mean():.4f}   "
+    f"cos(h_i, h_j+) other sentences: {cosines[~torch.eye(8, dtype=torch.bool)].mean():.4f}"
+)
 views_differ, eval_equal = not torch.equal(z1, z2), torch.equal(e1, e2)
 print(f"training views differ: {views_differ}")
-print(cmp_table([compare("eval: pass 1 vs pass 2", e1, e2), compare(f"eval = normalised raw {config.options.pooling}", e1, raw)]))
+print(
+    cmp_table(
+        [
+            compare("eval: pass 1 vs pass 2", e1, e2),
+            compare(f"eval = normalised raw {config.options.pooling}", e1, raw),
+        ]
+    )
+)
 
 # %% [markdown]
 # ## 3 · How many seeds: the pilot
@@ -138,7 +161,10 @@ print(cmp_table([compare("eval: pass 1 vs pass 2", e1, e2), compare(f"eval = nor
 # Δ −0.0027 [−0.0171, +0.0117], *not resolved*.
 
 # %%
-PILOT_SD, PILOT_SECONDS = 0.0184, 1865 / 2  # the second pilot: sd of the two paired Δ, seconds per seed
+PILOT_SD, PILOT_SECONDS = (
+    0.0184,
+    1865 / 2,
+)  # the second pilot: sd of the two paired Δ, seconds per seed
 half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
 print(f"the paper's Δ: {PAPER.deltas[0]:+.4f}")
 
@@ -195,6 +221,8 @@ assert gcbs_gap_smaller
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"profile {profile}: arms {arms}, seeds {seeds}, {len(rows)} result rows on {rows[0]['data']}")
+print(
+    f"profile {profile}: arms {arms}, seeds {seeds}, {len(rows)} result rows on {rows[0]['data']}"
+)
 print(f"two dropout masks give two views: {views_differ}; evaluation passes equal: {eval_equal}")
 print(f"GCBS epoch-0 loss gap <= random's on every seed: {gcbs_gap_smaller}")

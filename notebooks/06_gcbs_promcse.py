@@ -33,12 +33,14 @@
 
 # %% tags=["parameters"]
 device = "cpu"
-seed = 0                            # seed of the demonstration cells; the comparison runs `seeds`
-profile = "ci"                      # profile of gcbs_lib/configs/promcse.yaml behind every run
+seed = 0  # seed of the demonstration cells; the comparison runs `seeds`
+profile = "ci"  # profile of gcbs_lib/configs/promcse.yaml behind every run
 seeds = [0, 1]
-arms = ["random", "gcbs"]           # samplers compared; "random" is the baseline
-overrides = {}                      # further config keys for every run, e.g. {"epochs": 3}
-output_dir = "../runs/06_gcbs_promcse"  # one folder per run; a finished run is loaded, not retrained
+arms = ["random", "gcbs"]  # samplers compared; "random" is the baseline
+overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
+output_dir = (
+    "../runs/06_gcbs_promcse"  # one folder per run; a finished run is loaded, not retrained
+)
 
 # %%
 import inspect
@@ -49,8 +51,15 @@ import matplotlib.pyplot as plt
 import torch
 
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import (arms_table, first_gap_no_larger, pilot_plan, plot_deltas, plot_over_seeds, rows_of,
-                                 run_arms)
+from gcbs_lib.comparison import (
+    arms_table,
+    first_gap_no_larger,
+    pilot_plan,
+    plot_deltas,
+    plot_over_seeds,
+    rows_of,
+    run_arms,
+)
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.prefix import PrefixPromptedEncoder
@@ -61,7 +70,10 @@ PAPER = paper_delta("promcse", "gcbs", "test_spearman")  # +0.27 STS points
 settings = {**overrides, "device": device}
 config = load_config("promcse", profile, {**settings, "seed": seed})
 torch.manual_seed(seed)
-print(f"profile={profile}  device={device}  arms={arms}  seeds={seeds}  encoder={config.options.encoder}")
+print(
+    f"profile={profile}  device={device}  arms={arms}  seeds={seeds}  "
+    f"encoder={config.options.encoder}"
+)
 
 # %% [markdown]
 # ## 1 · Deep prompts
@@ -103,7 +115,10 @@ moved = sorted(name for name, p in model.named_parameters() if not torch.equal(p
 frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 print(f"moved: {moved}")
-print(f"trainable {trainable:,} of {trainable + frozen:,} parameters; prompt {tuple(model.backbone.prompt.shape)}")
+print(
+    f"trainable {trainable:,} of {trainable + frozen:,} parameters; prompt "
+    f"{tuple(model.backbone.prompt.shape)}"
+)
 
 # %% [markdown]
 # ## 3 · Batch 256 on a CPU: GradCache gives the full-batch gradient
@@ -114,7 +129,10 @@ print(f"trainable {trainable:,} of {trainable + frozen:,} parameters; prompt {tu
 # `cpu` profile trains batch 64 without chunks; the check uses chunks of a quarter batch).
 
 # %%
-grads, chunk = {}, config.chunk_size or config.batch_size // 4  # the paper profile trains without chunks
+grads, chunk = (
+    {},
+    config.chunk_size or config.batch_size // 4,
+)  # the paper profile trains without chunks
 for method in ("full batch graph", f"GradCache, chunks of {chunk}"):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
@@ -122,7 +140,9 @@ for method in ("full batch graph", f"GradCache, chunks of {chunk}"):
         cached_loss(loss_fn, model, batch, chunk).backward()
     else:  # the same chunks, so the same dropout masks, in one graph
         loss_fn(*[encode_in_chunks(model, b, chunk) for b in batch]).backward()
-    grads[method] = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    grads[method] = {
+        name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad
+    }
 full, chunked = grads.values()
 gradcache_checks = [compare(name, chunked[name], full[name]) for name in full]
 print(cmp_table(gradcache_checks))
@@ -148,12 +168,20 @@ print(cmp_table(gradcache_checks))
 # yet about STS (the `paper` profile). With that run's $s_\Delta$ and time, read from its committed rows:
 
 # %%
-committed = build_table(read_rows(COMMITTED / "06_gcbs_promcse.cpu.json"))  # the README's lines of the run
-paired = next(line for line in committed if line.metric == "test_spearman").differences  # its Δ, seed by seed
-made = provenance()["06_gcbs_promcse.cpu.json"]  # how the run was made: command, commit, seconds, cores
+committed = build_table(
+    read_rows(COMMITTED / "06_gcbs_promcse.cpu.json")
+)  # the README's lines of the run
+paired = next(
+    line for line in committed if line.metric == "test_spearman"
+).differences  # its Δ, seed by seed
+made = provenance()[
+    "06_gcbs_promcse.cpu.json"
+]  # how the run was made: command, commit, seconds, cores
 PILOT_SD, PILOT_SECONDS = statistics.stdev(paired), made["seconds"] / len(paired)
-print(f"s_Δ = {PILOT_SD:.5f} over {len(paired)} seeds, {PILOT_SECONDS:.0f} s a seed; the paper's Δ "
-      f"{PAPER.deltas[0]:+.4f}")
+print(
+    f"s_Δ = {PILOT_SD:.5f} over {len(paired)} seeds, {PILOT_SECONDS:.0f} s a seed; the paper's Δ "
+    f"{PAPER.deltas[0]:+.4f}"
+)
 half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
 
 # %% [markdown]
@@ -200,14 +228,20 @@ plt.show()
 # %%
 gradcache_exact = all(check.within_tolerance for check in gradcache_checks)
 gcbs_gap_smaller = first_gap_no_larger(summaries)
-assert "backbone.prompt" in moved and moved == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+assert "backbone.prompt" in moved and moved == sorted(
+    n for n, p in model.named_parameters() if p.requires_grad
+)
 assert gradcache_exact and all(p.grad is None for p in model.backbone.backbone.parameters())
 assert gcbs_gap_smaller
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"profile {profile}: arms {arms}, seeds {seeds}, {len(rows)} result rows on {rows[0]['data']}")
+print(
+    f"profile {profile}: arms {arms}, seeds {seeds}, {len(rows)} result rows on {rows[0]['data']}"
+)
 print(f"one step moved only: {moved}")
-print(f"GradCache gradient of batch {config.batch_size} (chunks of {chunk}) within tolerance: "
-      f"{gradcache_exact}")
+print(
+    f"GradCache gradient of batch {config.batch_size} (chunks of {chunk}) within tolerance: "
+    f"{gradcache_exact}"
+)
 print(f"GCBS epoch-0 loss gap <= random's on every seed: {gcbs_gap_smaller}")

@@ -35,24 +35,26 @@
 
 # %% tags=["parameters"]
 device = "cpu"
-seed = 0                           # seed of the demonstration cells and the DDP run
-profile = "ci"                     # profile of gcbs_lib/configs/milnce.yaml behind every run, and of the result rows
-seeds = [0]                        # seeds of the K × σ sweep and of the random-vs-GCBS comparison
-nproc = 2                          # DDP ranks launched with torchrun
-backend = "gloo"                   # "nccl" on GPUs
-source = "planted"                 # data of the DDP run and the comparison: planted | python-doc | howto100m
-data_dir = ""                      # empty: the kit data root; howto100m: the folder of features and captions
-output_dir = "../runs/07_milnce_howto100m"  # one folder per run; a finished run is loaded, not retrained
-overrides = {}                     # further config keys for every training run, e.g. {"max_steps": 100}
-epochs = 6                         # training on `source` (DDP run, random-vs-GCBS arms)
+seed = 0  # seed of the demonstration cells and the DDP run
+profile = "ci"  # profile of gcbs_lib/configs/milnce.yaml behind every run, and of the result rows
+seeds = [0]  # seeds of the K × σ sweep and of the random-vs-GCBS comparison
+nproc = 2  # DDP ranks launched with torchrun
+backend = "gloo"  # "nccl" on GPUs
+source = "planted"  # data of the DDP run and the comparison: planted | python-doc | howto100m
+data_dir = ""  # empty: the kit data root; howto100m: the folder of features and captions
+output_dir = (
+    "../runs/07_milnce_howto100m"  # one folder per run; a finished run is loaded, not retrained
+)
+overrides = {}  # further config keys for every training run, e.g. {"max_steps": 100}
+epochs = 6  # training on `source` (DDP run, random-vs-GCBS arms)
 batch_size = 32
-sweep_epochs = 6                   # training on planted data in the K × σ sweep
+sweep_epochs = 6  # training on planted data in the K × σ sweep
 sweep_batch_size = 32
-bag_sizes = [1, 3, 5]              # K in the sweep (planted data)
-sigmas = [0.0, 8.0]                # narration misalignment σ in seconds in the sweep (planted segments last 6 s)
-comparison_bag_size = 3            # K of the DDP run and the random-vs-GCBS arms
-comparison_sigma = 8.0             # their narration noise when source is planted
-memory_clips = [256, 512, 1024]    # clips in the memory plot (K captions each)
+bag_sizes = [1, 3, 5]  # K in the sweep (planted data)
+sigmas = [0.0, 8.0]  # narration misalignment σ in seconds in the sweep (planted segments last 6 s)
+comparison_bag_size = 3  # K of the DDP run and the random-vs-GCBS arms
+comparison_sigma = 8.0  # their narration noise when source is planted
+memory_clips = [256, 512, 1024]  # clips in the memory plot (K captions each)
 memory_bag_size = 4
 memory_dim = 64
 memory_chunk_size = 128
@@ -70,9 +72,22 @@ import torch.nn.functional as F
 
 # %%
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import arms_table, pilot_plan, plot_deltas, plot_over_seeds, rows_of, run_arms
+from gcbs_lib.comparison import (
+    arms_table,
+    pilot_plan,
+    plot_deltas,
+    plot_over_seeds,
+    rows_of,
+    run_arms,
+)
 from gcbs_lib.data import run_data_script
-from gcbs_lib.data.howto100m import FeatureStore, build_bags, caption_path, features_of, read_captions
+from gcbs_lib.data.howto100m import (
+    FeatureStore,
+    build_bags,
+    caption_path,
+    features_of,
+    read_captions,
+)
 from gcbs_lib.distributed import launch
 from gcbs_lib.experiments.milnce import MilNce, gradient_check
 from gcbs_lib.losses import mil_nce
@@ -84,9 +99,22 @@ from gcbs_lib.train import TrainingDiverged, load_config, train
 torch.manual_seed(seed)
 work = Path(output_dir) / profile
 base = {"data_dir": data_dir} if data_dir else {}
-source_options = {**base, "source": source, "bag_size": comparison_bag_size, "planted_sigma": comparison_sigma}
-training = {**overrides, **source_options, "epochs": epochs, "batch_size": batch_size, "device": device}  # on `source`
-print(f"profile={profile}  device={device}  source={source}  nproc={nproc}  torch={torch.__version__}")
+source_options = {
+    **base,
+    "source": source,
+    "bag_size": comparison_bag_size,
+    "planted_sigma": comparison_sigma,
+}
+training = {
+    **overrides,
+    **source_options,
+    "epochs": epochs,
+    "batch_size": batch_size,
+    "device": device,
+}  # on `source`
+print(
+    f"profile={profile}  device={device}  source={source}  nproc={nproc}  torch={torch.__version__}"
+)
 
 # %% [markdown]
 # ## 1 · Why bags: narration drifts from the pictures
@@ -97,6 +125,7 @@ print(f"profile={profile}  device={device}  source={source}  nproc={nproc}  torc
 # ("so now we just…") come in between. Narration is then shifted by Gaussian noise of σ seconds. A training clip
 # is a caption's window (widened to 5 s, as the MIL-NCE loader does); its bag holds the K captions around it,
 # grown toward the shorter time span. How often does the bag hold the caption that describes what the clip *shows*?
+
 
 # %%
 def planted(folder, *options):
@@ -149,13 +178,14 @@ for s in sigmas:
 #
 # The definitions, written out for bags given as a `[B, A]` index matrix padded with −1:
 
+
 # %%
 def mil_nce_in_a_few_lines(video, text, bag_idx, tau, direction):
-    S = video @ text.T / tau                                             # [B, N]
+    S = video @ text.T / tau  # [B, N]
     in_bag = torch.zeros_like(S, dtype=torch.bool).scatter_(1, bag_idx.clamp(min=0), bag_idx >= 0)
-    positive = S.masked_fill(~in_bag, -math.inf).logsumexp(1)            # log Σ_{j∈P_i} e^{S_ij}
-    denominator = S.logsumexp(1)                                         # log Σ_j e^{S_ij}
-    if direction == "both":                                              # + log Σ_{j∈P_i} Σ_k e^{S_kj}
+    positive = S.masked_fill(~in_bag, -math.inf).logsumexp(1)  # log Σ_{j∈P_i} e^{S_ij}
+    denominator = S.logsumexp(1)  # log Σ_j e^{S_ij}
+    if direction == "both":  # + log Σ_{j∈P_i} Σ_k e^{S_kj}
         columns = S.logsumexp(0).expand_as(S).masked_fill(~in_bag, -math.inf)
         denominator = torch.logaddexp(denominator, columns.logsumexp(1))
     return (denominator - positive).mean()
@@ -166,14 +196,23 @@ B, K, D, tau = 6, 3, 16, 0.1
 video = torch.randn(B, D, generator=g, dtype=torch.float64)
 text = torch.randn(B * K, D, generator=g, dtype=torch.float64)
 bags = torch.arange(B * K).view(B, K)
-ragged = torch.tensor([[0, 1, 2], [3, 4, -1], [5, -1, -1], [6, 7, 8], [9, 2, 10], [11, 12, 13]])  # shares 2
-few_rows = [compare(f"library = few lines, {d}", mil_nce(video, text, ragged, tau, d),
-                    mil_nce_in_a_few_lines(video, text, ragged, tau, d)) for d in ("v2t", "both")]
+ragged = torch.tensor(
+    [[0, 1, 2], [3, 4, -1], [5, -1, -1], [6, 7, 8], [9, 2, 10], [11, 12, 13]]
+)  # shares 2
+few_rows = [
+    compare(
+        f"library = few lines, {d}",
+        mil_nce(video, text, ragged, tau, d),
+        mil_nce_in_a_few_lines(video, text, ragged, tau, d),
+    )
+    for d in ("v2t", "both")
+]
 print(cmp_table(few_rows))
 
 # %% [markdown]
 # `gcbs_lib.losses.mil_nce` computes the same (plus exclusions and a streamed denominator, section 3). Its
 # special cases, and the official MIL-NCE code, which takes $B$ clips with $BK$ captions in disjoint bags:
+
 
 # %%
 def official_milnce(video, text):
@@ -184,16 +223,41 @@ def official_milnce(video, text):
     return (denominator - nominator).mean()
 
 
-single, S1, ones = torch.arange(B)[:, None], video @ text[:B].T / tau, (torch.ones(B, D), torch.ones(B * K, D))
+single, S1, ones = (
+    torch.arange(B)[:, None],
+    video @ text[:B].T / tau,
+    (torch.ones(B, D), torch.ones(B * K, D)),
+)
 form_rows = [
-    compare("K=1 v2t = CE(S/τ)", mil_nce(video, text[:B], single, tau, "v2t"), F.cross_entropy(S1, torch.arange(B))),
-    compare("K=1 both = CE([S, Sᵀ])", mil_nce(video, text[:B], single, tau, "both"),
-            F.cross_entropy(torch.cat([S1, S1.T], 1), torch.arange(B))),
-    compare("both = official code", mil_nce(video, text, bags, 1.0, "both"), official_milnce(video, text)),
-    compare("K copies of a caption = K=1", mil_nce(video, text[:B].repeat_interleave(K, 0), bags, tau, "both"),
-            mil_nce(video, text[:B], single, tau, "both")),
-    compare("equal scores, v2t = ln B", mil_nce(*ones, bags, tau, "v2t"), torch.tensor(math.log(B))),
-    compare("equal scores, both = ln 2B", mil_nce(*ones, bags, tau, "both"), torch.tensor(math.log(2 * B)))]
+    compare(
+        "K=1 v2t = CE(S/τ)",
+        mil_nce(video, text[:B], single, tau, "v2t"),
+        F.cross_entropy(S1, torch.arange(B)),
+    ),
+    compare(
+        "K=1 both = CE([S, Sᵀ])",
+        mil_nce(video, text[:B], single, tau, "both"),
+        F.cross_entropy(torch.cat([S1, S1.T], 1), torch.arange(B)),
+    ),
+    compare(
+        "both = official code",
+        mil_nce(video, text, bags, 1.0, "both"),
+        official_milnce(video, text),
+    ),
+    compare(
+        "K copies of a caption = K=1",
+        mil_nce(video, text[:B].repeat_interleave(K, 0), bags, tau, "both"),
+        mil_nce(video, text[:B], single, tau, "both"),
+    ),
+    compare(
+        "equal scores, v2t = ln B", mil_nce(*ones, bags, tau, "v2t"), torch.tensor(math.log(B))
+    ),
+    compare(
+        "equal scores, both = ln 2B",
+        mil_nce(*ones, bags, tau, "both"),
+        torch.tensor(math.log(2 * B)),
+    ),
+]
 print(cmp_table(form_rows))
 
 # %% [markdown]
@@ -203,9 +267,13 @@ print(cmp_table(form_rows))
 
 # %%
 temperatures = [1.0, 0.3, 0.1, 0.03, 0.01]
-aligned = F.normalize(text.view(B, K, D).mean(1) + 0.1 * video, dim=1)  # clips close to their bag's mean
-forms = {d: [mil_nce(aligned, F.normalize(text, dim=1), bags, t, d).item() for t in temperatures]
-         for d in ("v2t", "both")}
+aligned = F.normalize(
+    text.view(B, K, D).mean(1) + 0.1 * video, dim=1
+)  # clips close to their bag's mean
+forms = {
+    d: [mil_nce(aligned, F.normalize(text, dim=1), bags, t, d).item() for t in temperatures]
+    for d in ("v2t", "both")
+}
 print("τ     " + "".join(f"{t:>8g}" for t in temperatures))
 for d, values in forms.items():
     print(f"{d:<5} " + "".join(f"{v:>8.3f}" for v in values))
@@ -230,8 +298,10 @@ for direction in ("v2t", "both"):
     for chunk in (None, 4):
         loss = mil_nce(v, t, ragged, tau, direction, chunk)
         results.append((loss, *torch.autograd.grad(loss, (v, t))))
-    chunk_rows += [compare(f"{direction} chunk 4: {name}", c, f)
-                   for name, f, c in zip(("loss", "d/dvideo", "d/dtext"), *results)]
+    chunk_rows += [
+        compare(f"{direction} chunk 4: {name}", c, f)
+        for name, f, c in zip(("loss", "d/dvideo", "d/dtext"), *results)
+    ]
 print(cmp_table(chunk_rows))
 chunk_exact = all(r.within_tolerance for r in chunk_rows)
 
@@ -251,17 +321,30 @@ def step(clips, bag_size, dim, chunk_size, device):
 step(4, 2, 4, 2, "cpu")()  # warm-up: lazily allocated state is not charged to the setting
 setting = json.loads(sys.argv[1])
 print(memory_rise(step(**setting), memory_method(setting["device"])))"""
-settings = [dict(clips=b, bag_size=memory_bag_size, dim=memory_dim, chunk_size=c, device=device)
-            for b in memory_clips for c in (None, memory_chunk_size)]
-peaks = np.array([fresh_process_bytes(["-c", PROBE, json.dumps(s)], s) for s in settings]).reshape(-1, 2) / 2**20
+settings = [
+    dict(clips=b, bag_size=memory_bag_size, dim=memory_dim, chunk_size=c, device=device)
+    for b in memory_clips
+    for c in (None, memory_chunk_size)
+]
+peaks = (
+    np.array([fresh_process_bytes(["-c", PROBE, json.dumps(s)], s) for s in settings]).reshape(
+        -1, 2
+    )
+    / 2**20
+)
 captions_n = [b * memory_bag_size for b in memory_clips]
 
 # %% tags=["figure:memory-vs-captions"]
 plt.figure(figsize=(5, 3.2))
 plt.plot(captions_n, peaks[:, 0], "o-", label="full B×N scores")
 plt.plot(captions_n, peaks[:, 1], "s-", label=f"chunked, c = {memory_chunk_size}")
-plt.xlabel("captions N (B = N / K)"); plt.ylabel("peak memory (MiB)"); plt.xscale("log", base=2)
-plt.title("MIL-NCE forward + backward: peak memory"); plt.legend(); plt.tight_layout(); plt.show()
+plt.xlabel("captions N (B = N / K)")
+plt.ylabel("peak memory (MiB)")
+plt.xscale("log", base=2)
+plt.title("MIL-NCE forward + backward: peak memory")
+plt.legend()
+plt.tight_layout()
+plt.show()
 for n, (full, chunked) in zip(captions_n, peaks):
     print(f"N={n:>5}: full {full:7.1f} MiB   chunked {chunked:6.1f} MiB")
 
@@ -285,12 +368,20 @@ for fmt, folder in demo.items():
 read = [read_captions(caption_path(folder)) for folder in demo.values()]
 formats_agree = read[0] == read[1] == read[2]
 features = demo["json"]
-(features / "features_3d" / "v00001.npy").write_bytes((features / "features_3d" / "v00001.npy").read_bytes()[:200])
+(features / "features_3d" / "v00001.npy").write_bytes(
+    (features / "features_3d" / "v00001.npy").read_bytes()[:200]
+)
 np.save(features / "features_2d" / "v00002.npy", np.full((36, 16), np.nan, np.float16))
 store = FeatureStore(features)
 demo_bags = build_bags(read[0], store, k=3)
-print("caption formats agree:", formats_agree, "| clips:", len(demo_bags["clip_video"]),
-      "| videos kept:", len(demo_bags["video_ids"]))
+print(
+    "caption formats agree:",
+    formats_agree,
+    "| clips:",
+    len(demo_bags["clip_video"]),
+    "| videos kept:",
+    len(demo_bags["video_ids"]),
+)
 for video_id, reason in store.skipped.items():
     print(f"skipped {video_id}: {reason[:90]}")
 
@@ -308,8 +399,12 @@ for j in demo_bags["bag_idx"][m][demo_bags["bag_idx"][m] >= 0]:
     print("  bag     ", texts[j].decode())
 for j in demo_bags["exclude_idx"][m][demo_bags["exclude_idx"][m] >= 0]:
     print("  excluded", texts[j].decode())
-print("its feature:", features_of(store, demo_bags, np.array([m])).shape, "from",
-      {k: (type(a).__name__, a.shape) for k, a in store.open(str(video_of)).items()})
+print(
+    "its feature:",
+    features_of(store, demo_bags, np.array([m])).shape,
+    "from",
+    {k: (type(a).__name__, a.shape) for k, a in store.open(str(video_of)).items()},
+)
 
 # %% [markdown]
 # "Excluded" captions overlap the clip's window without being in its bag: when another clip's bag brings them
@@ -321,8 +416,11 @@ print("its feature:", features_of(store, demo_bags, np.array([m])).shape, "from"
 options = load_config("milnce", profile, source_options).options
 experiment = MilNce(options, seed=seed, device=device)
 n_clips = experiment.load_data().size
-print(f"{n_clips} training clips in {len(experiment.bags['video_ids'])} videos under {experiment.root.name};",
-      f"{len(experiment.eval_sets['test']['clip_video'])} test queries")
+print(
+    f"{n_clips} training clips in {len(experiment.bags['video_ids'])} videos under "
+    f"{experiment.root.name};",
+    f"{len(experiment.eval_sets['test']['clip_video'])} test queries",
+)
 
 # %% [markdown]
 # ## 5 · DDP training through the launcher
@@ -335,11 +433,21 @@ print(f"{n_clips} training clips in {len(experiment.bags['video_ids'])} videos u
 
 # %%
 reference = gradient_check(source_options, batch_size=16, seed=seed)
-ranked = launch(gradient_check, nproc=nproc, backend=backend, echo=False,
-                args={"options": source_options, "batch_size": 16, "seed": seed, "chunk_size": 4})
-ddp_rows = [compare(name, torch.tensor(ranked[key], dtype=torch.float64),
-                    torch.tensor(reference[key], dtype=torch.float64))
-            for name, key in (("loss", "loss"), ("gradient", "grad"))]
+ranked = launch(
+    gradient_check,
+    nproc=nproc,
+    backend=backend,
+    echo=False,
+    args={"options": source_options, "batch_size": 16, "seed": seed, "chunk_size": 4},
+)
+ddp_rows = [
+    compare(
+        name,
+        torch.tensor(ranked[key], dtype=torch.float64),
+        torch.tensor(reference[key], dtype=torch.float64),
+    )
+    for name, key in (("loss", "loss"), ("gradient", "grad"))
+]
 print(cmp_table(ddp_rows))
 print("largest gradient difference between ranks (the rank-sync check):", ranked["rank_difference"])
 
@@ -349,8 +457,13 @@ print("largest gradient difference between ranks (the rank-sync check):", ranked
 
 # %%
 config = load_config("milnce", profile, {**training, "seed": seed})
-ddp_summary = launch("gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False,
-                     args={"config": asdict(config), "output_dir": str(work / "ddp")})
+ddp_summary = launch(
+    "gcbs_lib.train:launched",
+    nproc=nproc,
+    backend=backend,
+    echo=False,
+    args={"config": asdict(config), "output_dir": str(work / "ddp")},
+)
 one_summary = train(config, work / "one-process")
 for name, summary in (("DDP", ddp_summary), ("1 process", one_summary)):
     print(f"{name:<10}", {k: round(v, 3) for k, v in summary["test"].items()})
@@ -365,27 +478,43 @@ for name, summary in (("DDP", ddp_summary), ("1 process", one_summary)):
 # Text → video retrieval on held-out planted videos: each step's true caption is the query, the clips of all
 # held-out steps the candidates; R@K counts a candidate that ties the match as ranked above it (pessimistic).
 
+
 # %% tags=["figure:recall-vs-bag-size"]
 def run(changes, name):
     """Train the milnce experiment (`profile`, `overrides`, then `changes`) in `work / name`; the run's summary."""
-    return train(load_config("milnce", profile, {**overrides, "device": device, **changes}), work / name)
+    return train(
+        load_config("milnce", profile, {**overrides, "device": device, **changes}), work / name
+    )
 
 
 planted_runs = {"source": "planted", "epochs": sweep_epochs, "batch_size": sweep_batch_size}
-sweep = {(s, k, sd): run({**planted_runs, "planted_sigma": s, "bag_size": k, "seed": sd}, f"sweep-{s}-{k}-{sd}")["test"]
-         for s in sigmas for k in bag_sizes for sd in seeds}
+sweep = {
+    (s, k, sd): run(
+        {**planted_runs, "planted_sigma": s, "bag_size": k, "seed": sd}, f"sweep-{s}-{k}-{sd}"
+    )["test"]
+    for s in sigmas
+    for k in bag_sizes
+    for sd in seeds
+}
 r10 = {(s, k): np.mean([sweep[s, k, sd]["r10"] for sd in seeds]) for s in sigmas for k in bag_sizes}
 plt.figure(figsize=(5, 3.2))
 for s in sigmas:
     plt.plot(bag_sizes, [r10[s, k] for k in bag_sizes], "o-", label=f"σ = {s:g} s")
 plt.axhline(10 / 144, color="gray", ls=":", label="chance")
-plt.xlabel("bag size K"); plt.ylabel("test R@10 (text → video)"); plt.legend()
-plt.title("retrieval against bag size K and narration noise σ"); plt.tight_layout(); plt.show()
+plt.xlabel("bag size K")
+plt.ylabel("test R@10 (text → video)")
+plt.legend()
+plt.title("retrieval against bag size K and narration noise σ")
+plt.tight_layout()
+plt.show()
 
 # %%
 print("σ    K   R@1    R@5    R@10   MedR")
-for (s, k, sd), metrics in sweep.items():
-    print(f"{s:<4g} {k:<3} {metrics['r1']:.3f}  {metrics['r5']:.3f}  {metrics['r10']:.3f}  {metrics['median_rank']:g}")
+for (s, k, _seed), metrics in sweep.items():
+    print(
+        f"{s:<4g} {k:<3} {metrics['r1']:.3f}  {metrics['r5']:.3f}  {metrics['r10']:.3f}  "
+        f"{metrics['median_rank']:g}"
+    )
 
 # %% [markdown]
 # GCBS (notebook 03) orders each epoch's clips by the similarity of clip embeddings to bag-mean caption
@@ -400,7 +529,10 @@ for (s, k, sd), metrics in sweep.items():
 # Δ of 0.0099. The half-width of the interval against the number of seeds:
 
 # %%
-PILOT_SD, PILOT_SECONDS = 0.0099, 85  # the pilot: sd of the five paired Δ of test R@10, seconds per seed
+PILOT_SD, PILOT_SECONDS = (
+    0.0099,
+    85,
+)  # the pilot: sd of the five paired Δ of test R@10, seconds per seed
 half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
 
 # %% [markdown]
@@ -429,21 +561,35 @@ plt.show()
 # candidates tie the match, that query appears once per tied position, so it is counted several times, at
 # optimistic positions. `gcbs_lib.metrics.ranks` counts each query once, with every tie ranked above the match.
 
+
 # %%
 def official_compute_metrics(x):
     """The official evaluation (howto100m / MIL-NCE metrics.py) on a [queries, candidates] score matrix."""
     sx = np.sort(-x, axis=1)
     ind = np.where(sx - np.diag(-x)[:, None] == 0)[1]
-    return {"R1": np.sum(ind == 0) / len(ind), "R5": np.sum(ind < 5) / len(ind), "MR": np.median(ind) + 1,
-            "counted": len(ind)}
+    return {
+        "R1": np.sum(ind == 0) / len(ind),
+        "R5": np.sum(ind < 5) / len(ind),
+        "MR": np.median(ind) + 1,
+        "counted": len(ind),
+    }
 
 
 tied = np.eye(4) * 0.5 + 0.1
 tied[0] = 0.3  # query 0 scores all four candidates equally: a collapsed embedding
 ours = ranks(torch.tensor(tied), torch.arange(4))
 print("official:", {k: float(v) for k, v in official_compute_metrics(tied).items()})
-print("ours:    ", {"R1": recall_at(ours, 1), "R5": recall_at(ours, 5), "MR": median_rank(ours), "counted": len(ours)},
-      "ranks", ours.tolist())
+print(
+    "ours:    ",
+    {
+        "R1": recall_at(ours, 1),
+        "R5": recall_at(ours, 5),
+        "MR": median_rank(ours),
+        "counted": len(ours),
+    },
+    "ranks",
+    ours.tolist(),
+)
 
 # %% [markdown]
 # ## 8 · Troubleshooting with the checks
@@ -452,7 +598,10 @@ print("ours:    ", {"R1": recall_at(ours, 1), "R5": recall_at(ours, 5), "MR": me
 #   garbage), an empty bag, NaN embeddings: each refused with a message.
 
 # %%
-for bad, why in ((torch.tensor([[0, 1], [2, 99]]), "out of range"), (torch.tensor([[0, 1], [-1, -1]]), "empty bag")):
+for bad, why in (
+    (torch.tensor([[0, 1], [2, 99]]), "out of range"),
+    (torch.tensor([[0, 1], [-1, -1]]), "empty bag"),
+):
     try:
         mil_nce(video[:2], text, bad)
     except ValueError as error:
@@ -488,15 +637,27 @@ print(diverged)
 steps = [json.loads(line) for line in (work / "ddp" / "metrics.jsonl").read_text().splitlines()]
 norms = np.array([r["grad_norm"] for r in steps if r["kind"] == "step"])
 losses = np.array([r["loss"] for r in steps if r["kind"] == "step"])
-synced = [r["rank_difference"] for r in steps if "rank_difference" in r]  # the trainer's rank-sync checks
+synced = [
+    r["rank_difference"] for r in steps if "rank_difference" in r
+]  # the trainer's rank-sync checks
 fig, axes = plt.subplots(1, 2, figsize=(8, 3))
-axes[0].plot(losses); axes[0].axhline(math.log(2 * batch_size), color="gray", ls=":", label="ln 2B")
-axes[0].set_xlabel("step"); axes[0].set_ylabel("loss"); axes[0].legend()
-axes[1].plot(norms); axes[1].set_xlabel("step"); axes[1].set_ylabel("gradient norm")
-axes[0].set_title("DDP run: training loss"); axes[1].set_title("DDP run: gradient norm")
-plt.tight_layout(); plt.show()
+axes[0].plot(losses)
+axes[0].axhline(math.log(2 * batch_size), color="gray", ls=":", label="ln 2B")
+axes[0].set_xlabel("step")
+axes[0].set_ylabel("loss")
+axes[0].legend()
+axes[1].plot(norms)
+axes[1].set_xlabel("step")
+axes[1].set_ylabel("gradient norm")
+axes[0].set_title("DDP run: training loss")
+axes[1].set_title("DDP run: gradient norm")
+plt.tight_layout()
+plt.show()
 print(f"first loss {losses[0]:.2f} vs ln 2B = {math.log(2 * batch_size):.2f}")
-print(f"rank-sync checks in the DDP run: {len(synced)}, largest difference between ranks: {max(synced, default=0.0)}")
+print(
+    f"rank-sync checks in the DDP run: {len(synced)}, largest difference between ranks: "
+    f"{max(synced, default=0.0)}"
+)
 
 # %% [markdown]
 # ## Results
@@ -505,12 +666,33 @@ print(f"rank-sync checks in the DDP run: {len(synced)}, largest difference betwe
 model_name = one_summary["rows"][0]["model"]
 result_rows = rows_of(summaries)
 for (s, k, sd), metrics in sweep.items():
-    result_rows += [result_row(experiment=f"milnce-planted-sigma{s:g}", arm=f"K{k}", seed=sd, metric=f"test_{name}",
-                               value=metrics[name], profile=profile, data=f"planted-sigma{s:g}", model=model_name)
-                    for name in ("r1", "r5", "r10", "median_rank")]
-result_rows += [result_row(experiment="milnce-loss-memory", arm=arm, seed=seed, metric=f"peak_mib_N{n}", value=p,
-                           profile=profile, data="random", model="-")
-                for n, pair in zip(captions_n, peaks) for arm, p in zip(("full", "chunked"), pair)]
+    result_rows += [
+        result_row(
+            experiment=f"milnce-planted-sigma{s:g}",
+            arm=f"K{k}",
+            seed=sd,
+            metric=f"test_{name}",
+            value=metrics[name],
+            profile=profile,
+            data=f"planted-sigma{s:g}",
+            model=model_name,
+        )
+        for name in ("r1", "r5", "r10", "median_rank")
+    ]
+result_rows += [
+    result_row(
+        experiment="milnce-loss-memory",
+        arm=arm,
+        seed=seed,
+        metric=f"peak_mib_N{n}",
+        value=p,
+        profile=profile,
+        data="random",
+        model="-",
+    )
+    for n, pair in zip(captions_n, peaks)
+    for arm, p in zip(("full", "chunked"), pair)
+]
 record(result_rows, "07_milnce_howto100m")
 print(len(result_rows), "result rows")
 
@@ -524,22 +706,46 @@ assert formats_agree and set(store.skipped) == {"v00001", "v00002"}
 assert all(f >= math.log(2) for f in forms["both"]) and forms["v2t"][-1] < forms["both"][-1]
 assert peaks[-1, 1] < peaks[-1, 0] / 2, "the chunked denominator should need far less memory"
 assert hit_rates[max(sigmas), max(bag_sizes)] > hit_rates[max(sigmas), min(bag_sizes)]
-assert "max_steps" in overrides or r10[min(sigmas), max(bag_sizes)] > 5 * 10 / 144, \
-    "training should lift R@10 far above chance"  # unless a dry run cut training to a few steps
+assert "max_steps" in overrides or r10[min(sigmas), max(bag_sizes)] > 5 * 10 / 144, (
+    "training should lift R@10 far above chance"
+)  # unless a dry run cut training to a few steps
 assert "not finite" in diverged
 assert official_compute_metrics(tied)["counted"] > len(tied) and ours[0] == 4
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("MIL-NCE forms match the few-line definition, cross-entropy, the official code and ln B / ln 2B:",
-      all(r.within_tolerance for r in [*few_rows, *form_rows]))
-print("chunked = full (values and gradients):", chunk_exact, "| chunked peak < half of full at the largest N:",
-      bool(peaks[-1, 1] < peaks[-1, 0] / 2))
-print("DDP on", nproc, "ranks = one process:", all(r.within_tolerance for r in ddp_rows), "| ranks in sync:",
-      ranked["rank_difference"] == 0.0)
+print(
+    "MIL-NCE forms match the few-line definition, cross-entropy, the official code and ln B / "
+    "ln 2B:",
+    all(r.within_tolerance for r in [*few_rows, *form_rows]),
+)
+print(
+    "chunked = full (values and gradients):",
+    chunk_exact,
+    "| chunked peak < half of full at the largest N:",
+    bool(peaks[-1, 1] < peaks[-1, 0] / 2),
+)
+print(
+    "DDP on",
+    nproc,
+    "ranks = one process:",
+    all(r.within_tolerance for r in ddp_rows),
+    "| ranks in sync:",
+    ranked["rank_difference"] == 0.0,
+)
 print("caption formats agree:", formats_agree, "| skipped:", sorted(store.skipped))
-print("bags hold the shown step more often as K grows:",
-      all(hit_rates[s, a] <= hit_rates[s, b] for s in sigmas for a, b in zip(bag_sizes, bag_sizes[1:])))
-print("R@10 far above chance:", bool(r10[min(sigmas), max(bag_sizes)] > 5 * 10 / 144),
-      "| NaN guard fired:", "not finite" in diverged, "| official metrics count the tied query",
-      official_compute_metrics(tied)["counted"] - len(tied) + 1, "times")
+print(
+    "bags hold the shown step more often as K grows:",
+    all(
+        hit_rates[s, a] <= hit_rates[s, b] for s in sigmas for a, b in zip(bag_sizes, bag_sizes[1:])
+    ),
+)
+print(
+    "R@10 far above chance:",
+    bool(r10[min(sigmas), max(bag_sizes)] > 5 * 10 / 144),
+    "| NaN guard fired:",
+    "not finite" in diverged,
+    "| official metrics count the tied query",
+    official_compute_metrics(tied)["counted"] - len(tied) + 1,
+    "times",
+)

@@ -34,13 +34,13 @@
 
 # %% tags=["parameters"]
 device = "cpu"
-seed = 0                            # seed of the demonstration cells; the comparison runs `seeds`
-profile = "ci"                      # profile of gcbs_lib/configs/moco.yaml behind every run
-data = "mnist5k"                    # mnist5k | fashion-mnist | cifar10 (the paper's data)
+seed = 0  # seed of the demonstration cells; the comparison runs `seeds`
+profile = "ci"  # profile of gcbs_lib/configs/moco.yaml behind every run
+data = "mnist5k"  # mnist5k | fashion-mnist | cifar10 (the paper's data)
 seeds = [0, 1]
-arms = ["random", "gcbs"]           # samplers compared; "random" is the baseline
-overrides = {}                      # further config keys for every run, e.g. {"epochs": 3}
-output_dir = "../runs/08_gcbs_moco"   # one folder per run; a finished run is loaded, not retrained
+arms = ["random", "gcbs"]  # samplers compared; "random" is the baseline
+overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
+output_dir = "../runs/08_gcbs_moco"  # one folder per run; a finished run is loaded, not retrained
 
 # %%
 import copy
@@ -52,7 +52,14 @@ import torch
 import torch.nn.functional as F
 
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.comparison import arms_table, pilot_plan, plot_deltas, plot_over_seeds, rows_of, run_arms
+from gcbs_lib.comparison import (
+    arms_table,
+    pilot_plan,
+    plot_deltas,
+    plot_over_seeds,
+    rows_of,
+    run_arms,
+)
 from gcbs_lib.experiments import get
 from gcbs_lib.experiments.moco import MoCo, MoCoModel
 from gcbs_lib.results import record
@@ -95,15 +102,26 @@ train_size = experiment.load_data().size
 model = experiment.build_model()
 K, keys, checks = len(model.queue), [], []
 for step in range(K // 8 + 2):
-    images = experiment.collate([(8 * step + i) % train_size for i in range(8)])  # wraps on a small dataset
+    images = experiment.collate(
+        [(8 * step + i) % train_size for i in range(8)]
+    )  # wraps on a small dataset
     query, key = (branch(x) for branch, x in zip(experiment.branches(model), images.inputs))
     queue = model.queue.clone()
     loss = experiment.loss([query, key], images, config.scale)
     keys.append(key.detach())
 logits = torch.cat([(query * key).sum(1, keepdim=True), query @ queue.T], dim=1) * config.scale
-checks.append(compare("loss = CE over [positive, queue]", loss, F.cross_entropy(logits, torch.zeros(8).long())))
-checks.append(compare(f"queue = the last {K} keys", model.queue.roll(-int(model.queue_ptr), 0),
-                      torch.cat(keys)[-K:]))
+checks.append(
+    compare(
+        "loss = CE over [positive, queue]", loss, F.cross_entropy(logits, torch.zeros(8).long())
+    )
+)
+checks.append(
+    compare(
+        f"queue = the last {K} keys",
+        model.queue.roll(-int(model.queue_ptr), 0),
+        torch.cat(keys)[-K:],
+    )
+)
 print(cmp_table(checks))
 
 # %% [markdown]
@@ -114,14 +132,19 @@ print(cmp_table(checks))
 
 # %%
 optimizer = torch.optim.AdamW(model.query.parameters(), lr=config.lr)
-experiment.loss([model.query(images.inputs[0]), model.key(images.inputs[1])], images, config.scale).backward()
+experiment.loss(
+    [model.query(images.inputs[0]), model.key(images.inputs[1])], images, config.scale
+).backward()
 optimizer.step()
 before = [k.detach().clone() for k in model.key.parameters()]
 experiment.after_step(model)
 m = config.options.momentum
 ema = [m * k0 + (1 - m) * q.detach() for k0, q in zip(before, model.query.parameters())]
-ema_check = compare("θ_k = m θ_k + (1−m) θ_q", torch.cat([k.flatten() for k in model.key.parameters()]),
-                    torch.cat([e.flatten() for e in ema]))
+ema_check = compare(
+    "θ_k = m θ_k + (1−m) θ_q",
+    torch.cat([k.flatten() for k in model.key.parameters()]),
+    torch.cat([e.flatten() for e in ema]),
+)
 key_grads_none = all(p.grad is None for p in model.key.parameters())
 print(cmp_table([ema_check]))
 print(f"key parameters without gradient: {key_grads_none}")
@@ -143,16 +166,22 @@ plain = torch.nn.BatchNorm2d(norm.num_features).train()
 plain.load_state_dict(norm.state_dict())
 per_group = torch.empty_like(z)
 for g in range(norm.splits):  # group g: images g, g + splits, g + 2·splits, ...
-    per_group[g::norm.splits] = copy.deepcopy(plain)(z[g::norm.splits])
-split_check = compare(f"split BatchNorm ({norm.splits} groups) = BatchNorm per group", copy.deepcopy(norm).train()(z),
-                      per_group)
+    per_group[g :: norm.splits] = copy.deepcopy(plain)(z[g :: norm.splits])
+split_check = compare(
+    f"split BatchNorm ({norm.splits} groups) = BatchNorm per group",
+    copy.deepcopy(norm).train()(z),
+    per_group,
+)
 torch.manual_seed(stream_seed(seed, 0, "dropout/rank0/step0"))
 model.key.views.sample(64)
 order = torch.randperm(64)  # the key branch's shuffle of a 64-image batch, drawn after its views
 group = torch.arange(64) % norm.splits
 same_split = (group[order.argsort()] == group).float().mean().item()
 print(cmp_table([split_check]))
-print(f"positive keys in their query's split: {same_split:.2f} (chance 1/{norm.splits}; plain BatchNorm: 1.00)")
+print(
+    f"positive keys in their query's split: {same_split:.2f} (chance 1/{norm.splits}; plain "
+    "BatchNorm: 1.00)"
+)
 
 # %% [markdown]
 # ## 5 · Two views per image, seeded like dropout
@@ -169,7 +198,9 @@ torch.manual_seed(stream_seed(seed, 0, "dropout/rank0/step0"))
 views_replay = torch.equal(views(x), first)
 fig, axes = plt.subplots(3, 6, figsize=(7, 3.6))
 for column in range(6):
-    for row, picture in enumerate((x[column].float() / 255, first[column] * 0.5 + 0.5, second[column] * 0.5 + 0.5)):
+    for row, picture in enumerate(
+        (x[column].float() / 255, first[column] * 0.5 + 0.5, second[column] * 0.5 + 0.5)
+    ):
         axes[row, column].imshow(picture.permute(1, 2, 0).clamp(0, 1).squeeze(-1), cmap="gray")
         axes[row, column].axis("off")
 fig.suptitle("rows: training images, their view 1, their view 2")
@@ -242,15 +273,26 @@ plt.show()
 # %%
 queue_checks = all(check.within_tolerance for check in checks)
 assert queue_checks and ema_check.within_tolerance and key_grads_none
-assert split_check.within_tolerance and 0 < same_split < 0.5 and views_replay and not torch.equal(first, second)
+assert (
+    split_check.within_tolerance
+    and 0 < same_split < 0.5
+    and views_replay
+    and not torch.equal(first, second)
+)
 assert (rows[0]["data"] == "paper") == (data == "cifar10")
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"profile {profile}: arms {arms}, seeds {seeds}, {len(rows)} result rows on {rows[0]['data']}")
+print(
+    f"profile {profile}: arms {arms}, seeds {seeds}, {len(rows)} result rows on {rows[0]['data']}"
+)
 print(f"loss over [positive, queue] and queue = the last K keys: {queue_checks}")
-print(f"momentum encoder: the moving average within float32 tolerance: {ema_check.within_tolerance}, "
-      f"no gradients: {key_grads_none}")
-print(f"split BatchNorm = BatchNorm per group: {split_check.within_tolerance}, "
-      f"positive keys mostly in other splits: {0 < same_split < 0.5}")
+print(
+    f"momentum encoder: the moving average within float32 tolerance: {ema_check.within_tolerance}, "
+    f"no gradients: {key_grads_none}"
+)
+print(
+    f"split BatchNorm = BatchNorm per group: {split_check.within_tolerance}, "
+    f"positive keys mostly in other splits: {0 < same_split < 0.5}"
+)
 print(f"views replay under the same stream seed: {views_replay}")

@@ -1,4 +1,6 @@
-"""Shared fixtures for the test suite; data_scripts/ goes first on sys.path, so tests `import fetch` as scripts do."""
+"""Shared fixtures for the test suite; data_scripts/ goes first on sys.path, so tests `import fetch`
+as scripts do."""
+
 import json
 import random
 import sys
@@ -23,8 +25,8 @@ def float64_default():
 
 
 def child_command_lines(pid: int | None = None) -> list[list[str]]:
-    """The command lines of a process's descendants (default: this one's) that are still running; a child that
-    exits while they are listed (gone, or a zombie) is left out."""
+    """The command lines of a process's descendants (default: this one's) that are still running; a
+    child that exits while they are listed (gone, or a zombie) is left out."""
     lines = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
@@ -38,7 +40,8 @@ WORDS = [f"w{i}" for i in range(120)]
 
 
 def planted_pair(rng: random.Random, i: int, split: str) -> dict:
-    """A docstring and a function sharing four topic words, so a bag-of-words encoder can learn to match them."""
+    """A docstring and a function sharing four topic words, so a bag-of-words encoder can learn to
+    match them."""
     topic = rng.sample(WORDS, 4)
     doc = topic + rng.sample(WORDS, 2)
     code = ["def", f"f{i}", "(", "x", ")", ":", "return", *topic, *rng.sample(WORDS, 3)]
@@ -47,15 +50,21 @@ def planted_pair(rng: random.Random, i: int, split: str) -> dict:
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    """Planted train/valid/test/codebase files where CodeSearchNet python lives under a data root."""
+    """Planted train/valid/test/codebase files where CodeSearchNet python lives under a data
+    root."""
     root = tmp_path_factory.mktemp("data")
     folder = root / "codesearch" / "CSN" / "python"
     folder.mkdir(parents=True)
     rng = random.Random(0)
-    splits = {split: [planted_pair(rng, i, split) for i in range(n)]
-              for split, n in (("train", 192), ("valid", 48), ("test", 48))}
-    splits["train"][5]["docstring_tokens"] = splits["train"][4]["docstring_tokens"]  # a duplicate query
+    splits = {
+        split: [planted_pair(rng, i, split) for i in range(n)]
+        for split, n in (("train", 192), ("valid", 48), ("test", 48))
+    }
+    # a duplicate query
+    splits["train"][5]["docstring_tokens"] = splits["train"][4]["docstring_tokens"]
     for split, rows in splits.items():
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "codebase.jsonl").write_text("".join(json.dumps(r) + "\n" for r in splits["valid"] + splits["test"]))
+    (folder / "codebase.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in splits["valid"] + splits["test"])
+    )
     return root

@@ -1,4 +1,6 @@
-"""Specification of the comparison rows the notebooks print: bitwise equality and norm-wise relative error."""
+"""Specification of the comparison rows the notebooks print: bitwise equality and norm-wise relative
+error."""
+
 import pytest
 import torch
 
@@ -16,7 +18,11 @@ def test_a_norm_wise_error_within_tolerance_can_hide_a_large_element_wise_error(
     reference = torch.tensor([1e6, 1e-6], dtype=torch.float64)
     ours = torch.tensor([1e6, 2e-6], dtype=torch.float64)  # the small entry is off by 100 %
     row = compare("mixed scales", ours, reference)
-    assert row.within_tolerance and not row.exact and not torch.allclose(ours, reference, rtol=1e-12, atol=0)
+    assert (
+        row.within_tolerance
+        and not row.exact
+        and not torch.allclose(ours, reference, rtol=1e-12, atol=0)
+    )
 
 
 def test_each_precision_gets_its_own_tolerance_ordered_by_precision():
@@ -27,7 +33,9 @@ def test_each_precision_gets_its_own_tolerance_ordered_by_precision():
 
 
 def test_the_table_names_its_columns_for_what_they_measure():
-    table = cmp_table([compare("w", torch.ones(3), torch.ones(3)), compare("v", torch.zeros(2), torch.ones(2))])
+    table = cmp_table(
+        [compare("w", torch.ones(3), torch.ones(3)), compare("v", torch.zeros(2), torch.ones(2))]
+    )
     header, same, different = table.splitlines()
     assert header.split() == ["name", "exact", "‖Δ‖/‖ref‖", "tolerance", "within"]
     assert same.split() == ["w", "True", "0.0e+00", "1e-05", "True"]

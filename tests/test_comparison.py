@@ -1,25 +1,49 @@
-"""Specification of the sampler comparison: one config per (arm, seed), seed-major; runs in this process or on
-gloo ranks through torchrun (the tiny code-search encoder on planted pairs, `data_root` in conftest); and the
-helpers on hand-made run summaries."""
+"""Specification of the sampler comparison: one config per (arm, seed), seed-major; runs in this
+process or on gloo ranks through torchrun (the tiny code-search encoder on planted pairs,
+`data_root` in conftest); and the helpers on hand-made run summaries."""
+
 import pytest
 import torch
 
-from gcbs_lib.comparison import (arm_configs, arms_table, first_gap_no_larger, plot_deltas, plot_over_seeds, rows_of,
-                                 run_arms)
+from gcbs_lib.comparison import (
+    arm_configs,
+    arms_table,
+    first_gap_no_larger,
+    plot_deltas,
+    plot_over_seeds,
+    rows_of,
+    run_arms,
+)
 from gcbs_lib.distributed import LaunchError
 from gcbs_lib.train import load_checkpoint
 
 
 def summary(arm, seed, test, gaps, dev):
-    rows = [dict(experiment="simcse", arm=arm, seed=seed, metric="test_spearman", value=test, profile="ci",
-                 data="gensim-testdata-not-sts", model="tiny-bert")]
-    return {"rows": rows, "epochs": [{"loss_gap": g} for g in gaps], "dev": [{"spearman": d} for d in dev]}
+    rows = [
+        dict(
+            experiment="simcse",
+            arm=arm,
+            seed=seed,
+            metric="test_spearman",
+            value=test,
+            profile="ci",
+            data="gensim-testdata-not-sts",
+            model="tiny-bert",
+        )
+    ]
+    return {
+        "rows": rows,
+        "epochs": [{"loss_gap": g} for g in gaps],
+        "dev": [{"spearman": d} for d in dev],
+    }
 
 
-SUMMARIES = {("random", 0): summary("random", 0, 0.50, [1.0, 0.9], [0.1, 0.3]),
-             ("random", 1): summary("random", 1, 0.40, [1.2, 1.1], [0.3, 0.5]),
-             ("gcbs", 0): summary("gcbs", 0, 0.56, [0.8, 0.7], [0.2, 0.4]),
-             ("gcbs", 1): summary("gcbs", 1, 0.42, [1.2, 1.0], [0.2, 0.6])}
+SUMMARIES = {
+    ("random", 0): summary("random", 0, 0.50, [1.0, 0.9], [0.1, 0.3]),
+    ("random", 1): summary("random", 1, 0.40, [1.2, 1.1], [0.3, 0.5]),
+    ("gcbs", 0): summary("gcbs", 0, 0.56, [0.8, 0.7], [0.2, 0.4]),
+    ("gcbs", 1): summary("gcbs", 1, 0.42, [1.2, 1.0], [0.2, 0.6]),
+}
 
 
 def test_arm_configs_are_seed_major_and_differ_only_in_sampler_and_seed():
@@ -29,27 +53,64 @@ def test_arm_configs_are_seed_major_and_differ_only_in_sampler_and_seed():
 
 
 def tiny(data_root, **overrides):
-    """Two float64 steps without dropout on the planted pairs: one rank and two ranks agree to rounding."""
-    return {"data": "csn", "data_root": str(data_root), "batch_size": 16, "epochs": 1, "max_steps": 2, "lr": 1e-3,
-            "query_length": 16, "code_length": 24, "tiny_dim": 16, "tiny_layers": 1, "embed_batch_size": 64,
-            "dropout": 0.0, "dtype": "float64", "progress": False, **overrides}
+    """Two float64 steps without dropout on the planted pairs: one rank and two ranks agree to
+    rounding."""
+    return {
+        "data": "csn",
+        "data_root": str(data_root),
+        "batch_size": 16,
+        "epochs": 1,
+        "max_steps": 2,
+        "lr": 1e-3,
+        "query_length": 16,
+        "code_length": 24,
+        "tiny_dim": 16,
+        "tiny_layers": 1,
+        "embed_batch_size": 64,
+        "dropout": 0.0,
+        "dtype": "float64",
+        "progress": False,
+        **overrides,
+    }
 
 
-def test_with_nproc_2_each_run_trains_on_two_gloo_ranks_the_model_of_one_process(tmp_path, data_root):
+def test_with_nproc_2_each_run_trains_on_two_gloo_ranks_the_model_of_one_process(
+    tmp_path, data_root
+):
     one = run_arms("codesearch", "ci", ["gcbs"], [0], tmp_path / "one", tiny(data_root))
-    two = run_arms("codesearch", "ci", ["gcbs"], [0], tmp_path / "two", tiny(data_root), nproc=2, backend="gloo")
-    assert list(two) == [("start", 0), ("gcbs", 0)] and two["gcbs", 0]["steps"] == one["gcbs", 0]["steps"] == 2
-    assert {row["arm"] for row in two["start", 0]["rows"]} == {"start"}  # the untrained model, scored on test
-    a, b = (load_checkpoint(tmp_path / run / "gcbs-seed0" / "checkpoint.pt")["model"] for run in ("one", "two"))
+    two = run_arms(
+        "codesearch",
+        "ci",
+        ["gcbs"],
+        [0],
+        tmp_path / "two",
+        tiny(data_root),
+        nproc=2,
+        backend="gloo",
+    )
+    assert (
+        list(two) == [("start", 0), ("gcbs", 0)]
+        and two["gcbs", 0]["steps"] == one["gcbs", 0]["steps"] == 2
+    )
+    # the untrained model, scored on test
+    assert {row["arm"] for row in two["start", 0]["rows"]} == {"start"}
+    a, b = (
+        load_checkpoint(tmp_path / run / "gcbs-seed0" / "checkpoint.pt")["model"]
+        for run in ("one", "two")
+    )
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-9, atol=1e-11)
     assert two["gcbs", 0]["test"] == pytest.approx(one["gcbs", 0]["test"], abs=1e-9)
-    assert rows_of(two) == [{**row, "value": pytest.approx(row["value"], abs=1e-9)} for row in rows_of(one)]
+    assert rows_of(two) == [
+        {**row, "value": pytest.approx(row["value"], abs=1e-9)} for row in rows_of(one)
+    ]
 
 
 def test_a_run_that_fails_on_its_ranks_raises_with_the_ranks_error(tmp_path, data_root):
     with pytest.raises(LaunchError, match=r"ValueError: batch_size 15\b"):
-        run_arms("codesearch", "ci", ["random"], [0], tmp_path, tiny(data_root, batch_size=15), nproc=2)
+        run_arms(
+            "codesearch", "ci", ["random"], [0], tmp_path, tiny(data_root, batch_size=15), nproc=2
+        )
 
 
 def test_rows_of_lists_every_runs_rows_run_after_run():
@@ -64,28 +125,49 @@ def test_arms_table_pairs_each_arm_with_random_by_seed_and_names_the_stand_in(ca
     assert gcbs.differences == pytest.approx([0.06, 0.02])  # seed by seed
     printed = capsys.readouterr().out
     assert "NOT STS" in printed and "gensim-testdata-not-sts" in printed
-    assert "| +0.04 [-0.2141, +0.2941] | +0.0103 (STS avg" in printed and "| not resolved; paper Δ inside" in printed
+    assert (
+        "| +0.04 [-0.2141, +0.2941] | +0.0103 (STS avg" in printed
+        and "| not resolved; paper Δ inside" in printed
+    )
     assert "training moved the model" not in printed  # no start rows: no gain to state
-    with_start = {**SUMMARIES, ("start", 0): summary("start", 0, 0.30, [], []),
-                  ("start", 1): summary("start", 1, 0.30, [], [])}
+    with_start = {
+        **SUMMARIES,
+        ("start", 0): summary("start", 0, 0.30, [], []),
+        ("start", 1): summary("start", 1, 0.30, [], []),
+    }
     arms_table(with_start)
-    assert "training moved the model, random − start (sd over seeds): spearman +0.1500 (0.0707)" in \
-        capsys.readouterr().out
+    assert (
+        "training moved the model, random − start (sd over seeds): spearman +0.1500 (0.0707)"
+        in capsys.readouterr().out
+    )
 
 
 def test_plot_over_seeds_draws_the_seed_means_per_arm():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     for records, key in (("epochs", "loss_gap"), ("dev", "spearman")):
         fig, ax = plt.subplots()
-        dev = {k: {**v, "dev": [{"spearman": d["spearman"], "step": 4 * (i + 1)} for i, d in enumerate(v["dev"])]}
-               for k, v in SUMMARIES.items()}
+        dev = {
+            k: {
+                **v,
+                "dev": [
+                    {"spearman": d["spearman"], "step": 4 * (i + 1)} for i, d in enumerate(v["dev"])
+                ],
+            }
+            for k, v in SUMMARIES.items()
+        }
         curves = plot_over_seeds(ax, dev, ["random", "gcbs"], records, key)
-        expected = {("epochs", "loss_gap"): ([1.1, 1.0], [1.0, 0.85]), ("dev", "spearman"): ([0.2, 0.4], [0.2, 0.5])}
+        expected = {
+            ("epochs", "loss_gap"): ([1.1, 1.0], [1.0, 0.85]),
+            ("dev", "spearman"): ([0.2, 0.4], [0.2, 0.5]),
+        }
         assert curves == dict(zip(["random", "gcbs"], map(pytest.approx, expected[records, key])))
-        assert [list(line.get_xdata()) for line in ax.get_lines()] == [[0, 1] if records == "epochs" else [4, 8]] * 2
+        assert [list(line.get_xdata()) for line in ax.get_lines()] == [
+            [0, 1] if records == "epochs" else [4, 8]
+        ] * 2
         assert ax.get_xlabel() == ("epoch" if records == "epochs" else "step")
         plt.close(fig)
     fig, ax = plt.subplots()

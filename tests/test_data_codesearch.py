@@ -1,5 +1,7 @@
 """Specification of the code-search readers (small files in each real format), the download tools of
-data_scripts/fetch.py, and the data scripts: the stdlib stand-in builder and the real-data downloader."""
+data_scripts/fetch.py, and the data scripts: the stdlib stand-in builder and the real-data
+downloader."""
+
 import importlib.util
 import json
 import subprocess
@@ -11,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fetch import SUMS, DownloadError, download, recorded_sums, sha256sum
+
 from gcbs_lib.data import data_root
 from gcbs_lib.data.codesearch import load, retrieval_task
 
@@ -36,26 +38,63 @@ def write_jsonl(path, rows):
 
 
 COSQA = [  # CosQA: a JSON list; token fields are space-joined strings; the query is `doc`
-    {"idx": "cosqa-train-0", "doc": "python  read a  file", "code": "def f(p):\n    return open(p).read()",
-     "code_tokens": "def f ( p ) :  return open ( p ) . read ( )", "docstring_tokens": "python read a file",
-     "label": 0, "retrieval_idx": 7},
-    {"idx": "cosqa-train-1", "doc": "sort a list", "code": "def g(x):\n    return sorted(x)",
-     "code_tokens": "def g ( x ) : return sorted ( x )", "docstring_tokens": "sort a list",
-     "label": 1, "retrieval_idx": 3},
+    {
+        "idx": "cosqa-train-0",
+        "doc": "python  read a  file",
+        "code": "def f(p):\n    return open(p).read()",
+        "code_tokens": "def f ( p ) :  return open ( p ) . read ( )",
+        "docstring_tokens": "python read a file",
+        "label": 0,
+        "retrieval_idx": 7,
+    },
+    {
+        "idx": "cosqa-train-1",
+        "doc": "sort a list",
+        "code": "def g(x):\n    return sorted(x)",
+        "code_tokens": "def g ( x ) : return sorted ( x )",
+        "docstring_tokens": "sort a list",
+        "label": 1,
+        "retrieval_idx": 3,
+    },
 ]
-CODE_IDX_MAP = {"def f(p):\n    return open(p).read()": 7, "def g(x):\n    return sorted(x)": 3,
-                "def h():\n    pass": 11}
+CODE_IDX_MAP = {
+    "def f(p):\n    return open(p).read()": 7,
+    "def g(x):\n    return sorted(x)": 3,
+    "def h():\n    pass": 11,
+}
 CSN = [  # CodeSearchNet / AdvTest train: token lists, `url` is the key
-    {"repo": "a/b", "path": "m.py", "func_name": "f", "code_tokens": ["def", "f", "(", ")", ":", "pass"],
-     "docstring_tokens": ["Do", "nothing", "."], "url": "https://github.com/a/b/blob/x/m.py#L1-L2"},
-    {"repo": "a/b", "path": "m.py", "func_name": "g", "code_tokens": ["def", "g", "(", "x", ")", ":", "return", "x"],
-     "docstring_tokens": ["Return", "x", "."], "url": "https://github.com/a/b/blob/x/m.py#L4-L5"},
+    {
+        "repo": "a/b",
+        "path": "m.py",
+        "func_name": "f",
+        "code_tokens": ["def", "f", "(", ")", ":", "pass"],
+        "docstring_tokens": ["Do", "nothing", "."],
+        "url": "https://github.com/a/b/blob/x/m.py#L1-L2",
+    },
+    {
+        "repo": "a/b",
+        "path": "m.py",
+        "func_name": "g",
+        "code_tokens": ["def", "g", "(", "x", ")", ":", "return", "x"],
+        "docstring_tokens": ["Return", "x", "."],
+        "url": "https://github.com/a/b/blob/x/m.py#L4-L5",
+    },
 ]
 ADVTEST_TEST = [  # AdvTest valid/test: `function_tokens` in place of `code_tokens`
-    {"url": "u0", "function": "def func(arg_0): return arg_0", "docstring_tokens": ["Identity", "of", "x"],
-     "function_tokens": ["def", "func", "(", "arg_0", ")", ":", "return", "arg_0"], "idx": 0},
-    {"url": "u1", "function": "def func(): pass", "docstring_tokens": ["Nothing", "at", "all"],
-     "function_tokens": ["def", "func", "(", ")", ":", "pass"], "idx": 1},
+    {
+        "url": "u0",
+        "function": "def func(arg_0): return arg_0",
+        "docstring_tokens": ["Identity", "of", "x"],
+        "function_tokens": ["def", "func", "(", "arg_0", ")", ":", "return", "arg_0"],
+        "idx": 0,
+    },
+    {
+        "url": "u1",
+        "function": "def func(): pass",
+        "docstring_tokens": ["Nothing", "at", "all"],
+        "function_tokens": ["def", "func", "(", ")", ":", "pass"],
+        "idx": 1,
+    },
 ]
 
 
@@ -71,22 +110,26 @@ def test_download_fetches_once_and_enforces_a_known_checksum(tmp_path):
     source.write_text("payload")
     target = download(source.as_uri(), tmp_path / "a" / "copy.txt", sha256sum(source))
     assert target.read_text() == "payload" and not (tmp_path / "a" / "copy.txt.part").exists()
-    source.write_text("changed")                       # already there: not fetched again
+    source.write_text("changed")  # already there: not fetched again
     assert download(source.as_uri(), target).read_text() == "payload"
     with pytest.raises(ValueError, match="differs"):
         download(source.as_uri(), tmp_path / "b.txt", sha256="0" * 64)
     assert not (tmp_path / "b.txt").exists()
 
 
-def test_without_a_known_checksum_the_first_fetch_records_one_that_later_runs_and_sha256sum_enforce(tmp_path):
+def test_without_a_known_checksum_the_first_fetch_records_one_that_later_runs_and_sha256sum_enforce(
+    tmp_path,
+):
     source, folder = tmp_path / "source.txt", tmp_path / "data"
     source.write_text("payload")
     target = download(source.as_uri(), folder / "copy.txt")
     assert recorded_sums(folder) == {"copy.txt": sha256sum(source)}
     assert subprocess.run(["sha256sum", "--check", "--quiet", SUMS], cwd=folder).returncode == 0
-    assert download(source.as_uri(), target).read_text() == "payload"  # checked against the record: the same
-    assert recorded_sums(folder) == {"copy.txt": sha256sum(source)}    # and not recorded twice
-    target.write_text("corrupted")                                     # on disk since the first fetch
+    # checked against the record: the same
+    assert download(source.as_uri(), target).read_text() == "payload"
+    assert recorded_sums(folder) == {"copy.txt": sha256sum(source)}  # and not recorded twice
+    # on disk since the first fetch
+    target.write_text("corrupted")
     with pytest.raises(ValueError, match=f"differs from the one in {folder / SUMS}"):
         download(source.as_uri(), target)
     assert not target.exists()
@@ -103,43 +146,82 @@ def test_load_reads_a_cosqa_json_list_with_retrieval_idx_keys(tmp_path):
     path = tmp_path / "cosqa-retrieval-train-19604.json"
     path.write_text(json.dumps(COSQA))
     assert load(path) == [
-        {"query": "python read a file", "code": "def f ( p ) : return open ( p ) . read ( )", "key": "7"},
-        {"query": "sort a list", "code": "def g ( x ) : return sorted ( x )", "key": "3"}]
+        {
+            "query": "python read a file",
+            "code": "def f ( p ) : return open ( p ) . read ( )",
+            "key": "7",
+        },
+        {"query": "sort a list", "code": "def g ( x ) : return sorted ( x )", "key": "3"},
+    ]
 
 
 def test_load_reads_code_idx_map_with_empty_queries(tmp_path):
     path = tmp_path / "code_idx_map.txt"
     path.write_text(json.dumps(CODE_IDX_MAP))
-    assert load(path) == [{"query": "", "code": "def f(p): return open(p).read()", "key": "7"},
-                          {"query": "", "code": "def g(x): return sorted(x)", "key": "3"},
-                          {"query": "", "code": "def h(): pass", "key": "11"}]
+    assert load(path) == [
+        {"query": "", "code": "def f(p): return open(p).read()", "key": "7"},
+        {"query": "", "code": "def g(x): return sorted(x)", "key": "3"},
+        {"query": "", "code": "def h(): pass", "key": "11"},
+    ]
 
 
 def test_load_reads_codesearchnet_jsonl_and_its_codebase(tmp_path):
     for name in ("train.jsonl", "codebase.jsonl"):
         assert load(write_jsonl(tmp_path / name, CSN)) == [
             {"query": "Do nothing .", "code": "def f ( ) : pass", "key": CSN[0]["url"]},
-            {"query": "Return x .", "code": "def g ( x ) : return x", "key": CSN[1]["url"]}]
+            {"query": "Return x .", "code": "def g ( x ) : return x", "key": CSN[1]["url"]},
+        ]
 
 
 def test_load_reads_advtest_function_tokens_in_place_of_code_tokens(tmp_path):
     rows = [{**row, "code_tokens": ["not", "used"]} for row in ADVTEST_TEST]
     examples = load(write_jsonl(tmp_path / "test.jsonl", rows))
-    assert [e["code"] for e in examples] == ["def func ( arg_0 ) : return arg_0", "def func ( ) : pass"]
+    assert [e["code"] for e in examples] == [
+        "def func ( arg_0 ) : return arg_0",
+        "def func ( ) : pass",
+    ]
     assert [e["key"] for e in examples] == ["u0", "u1"]
 
 
-@pytest.mark.parametrize("content, name, error, message", [
-    ('{"url": "u", "docstring_tokens": ["a"]}\n', "x.jsonl", ValueError, "code_tokens or function_tokens"),
-    ('{"url": "u", "code_tokens": ["a"]}\n', "x.jsonl", ValueError, "docstring_tokens or doc"),
-    ('{"code_tokens": ["a"], "docstring_tokens": ["a"]}\n', "x.jsonl", ValueError, "url or retrieval_idx"),
-    ('{"url": "u", "code_tokens": [], "docstring_tokens": []}\n{broken\n', "x.jsonl", ValueError, r"x.jsonl:2"),
-    ('{"url": "u"}\n{"url": "v"}\n', "x.json", ValueError, r"x.json is not valid JSON .*named \*.jsonl"),
-    ('"just a string"', "x.json", ValueError, "JSON list or object"),
-    ('{"doc": "q", "code": "c", "retrieval_idx": 1}', "x.json", ValueError, "integer retrieval_idx"),
-    ("\n", "x.jsonl", ValueError, "no code-search examples"),
-    ("[]", "x.json", ValueError, "no code-search examples"),
-])
+@pytest.mark.parametrize(
+    "content, name, error, message",
+    [
+        (
+            '{"url": "u", "docstring_tokens": ["a"]}\n',
+            "x.jsonl",
+            ValueError,
+            "code_tokens or function_tokens",
+        ),
+        ('{"url": "u", "code_tokens": ["a"]}\n', "x.jsonl", ValueError, "docstring_tokens or doc"),
+        (
+            '{"code_tokens": ["a"], "docstring_tokens": ["a"]}\n',
+            "x.jsonl",
+            ValueError,
+            "url or retrieval_idx",
+        ),
+        (
+            '{"url": "u", "code_tokens": [], "docstring_tokens": []}\n{broken\n',
+            "x.jsonl",
+            ValueError,
+            r"x.jsonl:2",
+        ),
+        (
+            '{"url": "u"}\n{"url": "v"}\n',
+            "x.json",
+            ValueError,
+            r"x.json is not valid JSON .*named \*.jsonl",
+        ),
+        ('"just a string"', "x.json", ValueError, "JSON list or object"),
+        (
+            '{"doc": "q", "code": "c", "retrieval_idx": 1}',
+            "x.json",
+            ValueError,
+            "integer retrieval_idx",
+        ),
+        ("\n", "x.jsonl", ValueError, "no code-search examples"),
+        ("[]", "x.json", ValueError, "no code-search examples"),
+    ],
+)
 def test_load_refuses_malformed_files_naming_the_place(tmp_path, content, name, error, message):
     (tmp_path / name).write_text(content)
     with pytest.raises(error, match=message):
@@ -156,7 +238,11 @@ def test_retrieval_task_pairs_cosqa_queries_with_code_idx_map(tmp_path):
     (tmp_path / "code_idx_map.txt").write_text(json.dumps(CODE_IDX_MAP))
     task = retrieval_task(tmp_path / "q.json", tmp_path / "code_idx_map.txt")
     assert task.queries == ["python read a file", "sort a list"]
-    assert len(task.codes) == 3 and task.positive.tolist() == [0, 1] and task.positive.dtype == torch.long
+    assert (
+        len(task.codes) == 3
+        and task.positive.tolist() == [0, 1]
+        and task.positive.dtype == torch.long
+    )
 
 
 def test_retrieval_task_pairs_codesearchnet_queries_with_the_codebase(tmp_path):
@@ -170,17 +256,24 @@ def test_retrieval_task_uses_the_split_itself_as_advtest_pool(tmp_path):
     assert task.positive.tolist() == [0, 1] and task.codes[1] == "def func ( ) : pass"
 
 
-def test_retrieval_task_scores_unmatched_queries_minus_one_and_keeps_the_first_of_repeated_keys(tmp_path):
+def test_retrieval_task_scores_unmatched_queries_minus_one_and_keeps_the_first_of_repeated_keys(
+    tmp_path,
+):
     queries = write_jsonl(tmp_path / "test.jsonl", CSN)
     task = retrieval_task(queries, write_jsonl(tmp_path / "codebase.jsonl", CSN[:1]))
     assert task.positive.tolist() == [0, -1] and (task.missing, task.repeated) == (1, 0)
     pool = [CSN[0], CSN[1], {**CSN[0], "code_tokens": ["x"]}]  # CSN[0]'s key again
     task = retrieval_task(queries, write_jsonl(tmp_path / "codebase.jsonl", pool))
-    assert task.positive.tolist() == [0, 1] and (task.missing, task.repeated) == (0, 1) and len(task.codes) == 2
+    assert (
+        task.positive.tolist() == [0, 1]
+        and (task.missing, task.repeated) == (0, 1)
+        and len(task.codes) == 2
+    )
     assert task.codes[0] != "x"
 
 
-# ------------------------------------------------------------------------------------------- stand-in builder
+# -------------------------------------------------------------------------------------------
+# stand-in builder
 
 PLANTED_LIBRARY = {  # module file -> source; the comments say what the extraction must do
     "geometry/__init__.py": '''
@@ -253,24 +346,57 @@ def test_extraction_pairs_first_docstring_paragraph_with_code_without_docstring(
     pairs, skipped = builder.extract_stdlib_pairs(planted_library)
     assert skipped == ["broken.py: SyntaxError"]
     by_name = {(p["path"], p["func_name"]): p for p in pairs}
-    assert sorted(by_name) == [("geometry/__init__.py", "Shape.grow"), ("geometry/__init__.py", "area"),
-                               ("numbers.py", "double"), ("strings.py", "shout"), ("strings.py", "whisper")]
+    assert sorted(by_name) == [
+        ("geometry/__init__.py", "Shape.grow"),
+        ("geometry/__init__.py", "area"),
+        ("numbers.py", "double"),
+        ("strings.py", "shout"),
+        ("strings.py", "whisper"),
+    ]
     area = by_name["geometry/__init__.py", "area"]
     assert area["docstring"] == "Area of a rectangle."
     assert area["docstring_tokens"] == ["Area", "of", "a", "rectangle", "."]
-    assert area["code"] == ("def area(self, width, *, height=1):\n"
-                            "    # a comment stays in the code, not in the tokens\n"
-                            "    return self.width * width * height\n")
-    assert area["code_tokens"] == ["def", "area", "(", "self", ",", "width", ",", "*", ",", "height", "=", "1",
-                                   ")", ":", "return", "self", ".", "width", "*", "width", "*", "height"]
+    assert area["code"] == (
+        "def area(self, width, *, height=1):\n"
+        "    # a comment stays in the code, not in the tokens\n"
+        "    return self.width * width * height\n"
+    )
+    assert area["code_tokens"] == [
+        "def",
+        "area",
+        "(",
+        "self",
+        ",",
+        "width",
+        ",",
+        "*",
+        ",",
+        "height",
+        "=",
+        "1",
+        ")",
+        ":",
+        "return",
+        "self",
+        ".",
+        "width",
+        "*",
+        "width",
+        "*",
+        "height",
+    ]
     assert area["module"] == "geometry" and area["arguments"] == ["self", "width", "height"]
     grow = by_name["geometry/__init__.py", "Shape.grow"]
     assert grow["code"].startswith("def grow(self, factor):\n    self.size")  # method dedented
-    assert by_name["strings.py", "shout"]["code"].startswith("def shout(text,\n          times=1):\n    return")
+    assert by_name["strings.py", "shout"]["code"].startswith(
+        "def shout(text,\n          times=1):\n    return"
+    )
 
 
 def test_extraction_is_deterministic(planted_library):
-    assert builder.extract_stdlib_pairs(planted_library) == builder.extract_stdlib_pairs(planted_library)
+    assert builder.extract_stdlib_pairs(planted_library) == builder.extract_stdlib_pairs(
+        planted_library
+    )
 
 
 def test_split_by_module_puts_each_module_in_one_split_near_the_shares():
@@ -278,7 +404,10 @@ def test_split_by_module_puts_each_module_in_one_split_near_the_shares():
     split_of = builder.split_by_module(pairs)
     sizes = Counter(split_of[p["module"]] for p in pairs)
     assert set(split_of.values()) == {"train", "valid", "test"}
-    assert abs(sizes["test"] / len(pairs) - 0.1) < 0.02 and abs(sizes["valid"] / len(pairs) - 0.1) < 0.02
+    assert (
+        abs(sizes["test"] / len(pairs) - 0.1) < 0.02
+        and abs(sizes["valid"] / len(pairs) - 0.1) < 0.02
+    )
     assert split_of == builder.split_by_module(list(reversed(pairs)))
 
 
@@ -286,8 +415,29 @@ def test_normalise_names_renames_function_and_arguments_but_not_attributes():
     code = "def area(self, width):\n    return self.width * width + area(self, 0)\n"
     function, tokens = builder.normalise_names(code, "area", ["self", "width"])
     assert function == "def func(arg_0, arg_1):\n    return arg_0.width * arg_1 + func(arg_0, 0)\n"
-    assert tokens == ["def", "func", "(", "arg_0", ",", "arg_1", ")", ":", "return", "arg_0", ".", "width",
-                      "*", "arg_1", "+", "func", "(", "arg_0", ",", "0", ")"]
+    assert tokens == [
+        "def",
+        "func",
+        "(",
+        "arg_0",
+        ",",
+        "arg_1",
+        ")",
+        ":",
+        "return",
+        "arg_0",
+        ".",
+        "width",
+        "*",
+        "arg_1",
+        "+",
+        "func",
+        "(",
+        "arg_0",
+        ",",
+        "0",
+        ")",
+    ]
     code = "def digest(key, digest):\n    return digest(key)\n"
     shadowing, _ = builder.normalise_names(code, "digest", ["key", "digest"])
     assert shadowing == "def func(arg_0, arg_1):\n    return arg_1(arg_0)\n"
@@ -296,16 +446,27 @@ def test_normalise_names_renames_function_and_arguments_but_not_attributes():
 def test_planted_standin_in_both_layouts_loads_with_the_real_reader(planted_library, tmp_path):
     csn = builder.ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
     advtest = builder.ensure_stdlib_standin(tmp_path / "data", "advtest", stdlib=planted_library)
-    assert sorted(p.name for p in csn.iterdir()) == ["codebase.jsonl", "manifest.json", "test.jsonl",
-                                                     "train.jsonl", "valid.jsonl"]
-    assert sorted(p.name for p in advtest.iterdir()) == ["manifest.json", "test.jsonl", "train.jsonl",
-                                                         "valid.jsonl"]
+    assert sorted(p.name for p in csn.iterdir()) == [
+        "codebase.jsonl",
+        "manifest.json",
+        "test.jsonl",
+        "train.jsonl",
+        "valid.jsonl",
+    ]
+    assert sorted(p.name for p in advtest.iterdir()) == [
+        "manifest.json",
+        "test.jsonl",
+        "train.jsonl",
+        "valid.jsonl",
+    ]
     manifest = json.loads((csn / "manifest.json").read_text())
     assert sum(manifest["pairs"].values()) == 5 and manifest["pairs_sharing_their_query"] == 2
     assert manifest["skipped_files"] == ["broken.py: SyntaxError"]
     for split in ("train", "valid", "test"):
         csn_rows = [json.loads(line) for line in (csn / f"{split}.jsonl").read_text().splitlines()]
-        adv_rows = [json.loads(line) for line in (advtest / f"{split}.jsonl").read_text().splitlines()]
+        adv_rows = [
+            json.loads(line) for line in (advtest / f"{split}.jsonl").read_text().splitlines()
+        ]
         assert [r["url"] for r in csn_rows] == [r["url"] for r in adv_rows]
         assert len(load(csn / f"{split}.jsonl")) == len(csn_rows)
         if split != "train":
@@ -318,9 +479,11 @@ def test_standin_build_is_idempotent(planted_library, tmp_path):
     stamp = (folder / "train.jsonl").stat().st_mtime_ns
     assert builder.ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library) == folder
     assert (folder / "train.jsonl").stat().st_mtime_ns == stamp
-    assert [p.name for p in folder.parent.iterdir()] == ["stdlib-csn"]  # no staging folder left behind
+    # no staging folder left behind
+    assert [p.name for p in folder.parent.iterdir()] == ["stdlib-csn"]
     manifest = json.loads((folder / "manifest.json").read_text())
-    (folder / "manifest.json").write_text(json.dumps({**manifest, "builder": 0}))  # an older builder's output
+    # an older builder's output
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "builder": 0}))
     builder.ensure_stdlib_standin(tmp_path / "data", "csn", stdlib=planted_library)
     assert (folder / "train.jsonl").stat().st_mtime_ns != stamp
     assert json.loads((folder / "manifest.json").read_text()) == manifest
@@ -335,8 +498,12 @@ def test_standin_refuses_an_unknown_variant(tmp_path):
 def stdlib_standin(tmp_path_factory):
     """Both stand-ins of this Python's standard library, built by the script as a command."""
     root = tmp_path_factory.mktemp("data")
-    done = subprocess.run([sys.executable, str(SCRIPTS / "build_codesearch_standin.py"), "--root", str(root)],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "build_codesearch_standin.py"), "--root", str(root)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "csn" in done.stdout and "advtest" in done.stdout
     return root / "codesearch" / "stdlib-csn", root / "codesearch" / "stdlib-advtest"
 
@@ -348,9 +515,14 @@ def read_rows(path):
 def test_real_stdlib_standin_splits_by_module_without_duplicate_code(stdlib_standin):
     csn, _ = stdlib_standin
     splits = {s: read_rows(csn / f"{s}.jsonl") for s in ("train", "valid", "test")}
-    modules = {s: {r["path"].split("/")[0].removesuffix(".py") for r in rows} for s, rows in splits.items()}
-    assert not (modules["train"] & modules["valid"] or modules["train"] & modules["test"]
-                or modules["valid"] & modules["test"])
+    modules = {
+        s: {r["path"].split("/")[0].removesuffix(".py") for r in rows} for s, rows in splits.items()
+    }
+    assert not (
+        modules["train"] & modules["valid"]
+        or modules["train"] & modules["test"]
+        or modules["valid"] & modules["test"]
+    )
     codes = [tuple(r["code_tokens"]) for rows in splits.values() for r in rows]
     assert len(codes) == len(set(codes)) > 3000
     assert all(len(splits[s]) > 0.05 * len(codes) for s in ("valid", "test"))
@@ -373,10 +545,16 @@ def test_download_script_fetches_cosqa_into_the_layout_the_readers_use(tmp_path,
     served = tmp_path / "served"
     served.mkdir()
     (served / "code_idx_map.txt").write_text(json.dumps(CODE_IDX_MAP))
-    for name in ("cosqa-retrieval-dev-500.json", "cosqa-retrieval-test-500.json", "cosqa-retrieval-train-19604.json"):
+    for name in (
+        "cosqa-retrieval-dev-500.json",
+        "cosqa-retrieval-test-500.json",
+        "cosqa-retrieval-train-19604.json",
+    ):
         (served / name).write_text(json.dumps(COSQA))
     module = script("download_codesearch")
-    monkeypatch.setitem(module.FILES, "cosqa", [((served / n).as_uri(), n, h) for _, n, h in module.FILES["cosqa"]])
+    monkeypatch.setitem(
+        module.FILES, "cosqa", [((served / n).as_uri(), n, h) for _, n, h in module.FILES["cosqa"]]
+    )
     with pytest.raises(SystemExit) as finished:
         module.main(["--root", str(tmp_path / "data"), "--only", "cosqa"])
     assert finished.value.code == 0
@@ -388,15 +566,27 @@ def test_download_script_fetches_cosqa_into_the_layout_the_readers_use(tmp_path,
 def test_download_script_runs_advtest_preprocessing_shipped_in_the_archive(tmp_path, monkeypatch):
     served = tmp_path / "served"
     served.mkdir()
-    with zipfile.ZipFile(served / "dataset.zip", "w") as zipped:   # CodeXGLUE's archive: dataset/preprocess.py
-        zipped.writestr("dataset/preprocess.py", "import json, pathlib\n"
-                        "rows = json.loads(pathlib.Path('python/rows.json').read_text())\n"
-                        "for split in ('train', 'valid', 'test'):\n"
-                        "    pathlib.Path(split + '.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in rows))\n")
-    with zipfile.ZipFile(served / "python.zip", "w") as zipped:    # CodeSearchNet python.zip stand-in
+    # CodeXGLUE's archive: dataset/preprocess.py
+    with zipfile.ZipFile(served / "dataset.zip", "w") as zipped:
+        zipped.writestr(
+            "dataset/preprocess.py",
+            "import json, pathlib\n"
+            "rows = json.loads(pathlib.Path('python/rows.json').read_text())\n"
+            "for split in ('train', 'valid', 'test'):\n"
+            "    pathlib.Path(split + '.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in "
+            "rows))\n",
+        )
+    # CodeSearchNet python.zip stand-in
+    with zipfile.ZipFile(served / "python.zip", "w") as zipped:
         zipped.writestr("python/rows.json", json.dumps(ADVTEST_TEST))
     module = script("download_codesearch")
-    monkeypatch.setitem(module.FILES, "advtest", [((served / n).as_uri(), n, h) for _, n, h in module.FILES["advtest"]])
-    assert module.fetch("advtest", tmp_path / "data") == tmp_path / "data" / "codesearch" / "AdvTest"
+    monkeypatch.setitem(
+        module.FILES,
+        "advtest",
+        [((served / n).as_uri(), n, h) for _, n, h in module.FILES["advtest"]],
+    )
+    assert (
+        module.fetch("advtest", tmp_path / "data") == tmp_path / "data" / "codesearch" / "AdvTest"
+    )
     task = retrieval_task(tmp_path / "data" / "codesearch" / "AdvTest" / "test.jsonl")
     assert task.codes == ["def func ( arg_0 ) : return arg_0", "def func ( ) : pass"]

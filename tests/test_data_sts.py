@@ -1,5 +1,6 @@
-"""Specification of the SentEval readers (small files in each real format), SimCSE's training file, and the
-gensim-wheel stand-in (built by data_scripts/build_sts_standin.py)."""
+"""Specification of the SentEval readers (small files in each real format), SimCSE's training file,
+and the gensim-wheel stand-in (built by data_scripts/build_sts_standin.py)."""
+
 import bz2
 import importlib.util
 import json
@@ -9,10 +10,17 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 import pytest
-
 from fetch import pip_wheel
+
 from gcbs_lib.data import data_root
-from gcbs_lib.data.sts import STS_YEARS, load, load_standin, read_sentences, senteval_path, standin_file
+from gcbs_lib.data.sts import (
+    STS_YEARS,
+    load,
+    load_standin,
+    read_sentences,
+    senteval_path,
+    standin_file,
+)
 
 
 def script(name):
@@ -28,19 +36,33 @@ standin = script("build_sts_standin")
 
 
 def write_year(folder, task, empty_gold_in=None):
-    """A SentEval year folder: two pairs per sub-dataset, scored 1 and 2 (the first left empty in one)."""
+    """A SentEval year folder: two pairs per sub-dataset, scored 1 and 2 (the first left empty in
+    one)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in STS_YEARS[task]:
-        (folder / f"STS.input.{name}.txt").write_text(f"{name}  one\tother  one\n{name} two\t\"quoted\" two\n")
+        (folder / f"STS.input.{name}.txt").write_text(
+            f'{name}  one\tother  one\n{name} two\t"quoted" two\n'
+        )
         gold = "\n2.0\n" if name == empty_gold_in else "1.0\n2.0\n"
         (folder / f"STS.gs.{name}.txt").write_text(gold)
     return folder
 
 
 def test_sts12_concatenates_sub_datasets_in_senteval_order_and_drops_empty_gold_lines(tmp_path):
-    s1, s2, scores = load(write_year(tmp_path / "STS12-en-test", "STS12", empty_gold_in="MSRvid"), "STS12")
-    assert s1 == ["MSRpar one", "MSRpar two", "MSRvid two", "SMTeuroparl one", "SMTeuroparl two",
-                  "surprise.OnWN one", "surprise.OnWN two", "surprise.SMTnews one", "surprise.SMTnews two"]
+    s1, s2, scores = load(
+        write_year(tmp_path / "STS12-en-test", "STS12", empty_gold_in="MSRvid"), "STS12"
+    )
+    assert s1 == [
+        "MSRpar one",
+        "MSRpar two",
+        "MSRvid two",
+        "SMTeuroparl one",
+        "SMTeuroparl two",
+        "surprise.OnWN one",
+        "surprise.OnWN two",
+        "surprise.SMTnews one",
+        "surprise.SMTnews two",
+    ]
     assert s2[:3] == ["other one", '"quoted" two', '"quoted" two']
     assert scores == [1.0, 2.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
 
@@ -55,7 +77,9 @@ def test_every_sts_year_reads_its_senteval_sub_datasets(tmp_path, task):
 def test_a_missing_sub_dataset_or_a_line_count_mismatch_is_refused(tmp_path):
     folder = write_year(tmp_path / "STS13", "STS13")
     (folder / "STS.gs.FNWN.txt").write_text("1.0\n")
-    with pytest.raises(ValueError, match="STS.input.FNWN.txt has 2 lines but STS.gs.FNWN.txt has 1"):
+    with pytest.raises(
+        ValueError, match="STS.input.FNWN.txt has 2 lines but STS.gs.FNWN.txt has 1"
+    ):
         load(folder, "STS13")
     (folder / "STS.gs.FNWN.txt").unlink()
     with pytest.raises(FileNotFoundError, match="STS.gs.FNWN.txt.*FNWN"):
@@ -64,10 +88,13 @@ def test_a_missing_sub_dataset_or_a_line_count_mismatch_is_refused(tmp_path):
         load(folder / "STS.input.OnWN.txt", "STS13")
 
 
-STSB = ("main-captions\tMSRvid\t2012test\t0001\t5.000\tA man with a hard hat is dancing.\t"
-        "A man wearing a hard hat is dancing.\n"
-        "main-news\theadlines\t2013\t0002\t1.5\tHe said \"no\" to   it\tShe said 'yes'\tsource-a\tsource-b\n"
-        "main-forum\tdeft-forum\t2014\t0003\t0.0\t\"Unbalanced quote\tclosed\"\n")
+STSB = (
+    "main-captions\tMSRvid\t2012test\t0001\t5.000\tA man with a hard hat is dancing.\t"
+    "A man wearing a hard hat is dancing.\n"
+    'main-news\theadlines\t2013\t0002\t1.5\tHe said "no" to   it\tShe said '
+    "'yes'\tsource-a\tsource-b\n"
+    'main-forum\tdeft-forum\t2014\t0003\t0.0\t"Unbalanced quote\tclosed"\n'
+)
 
 
 def test_sts_benchmark_reads_columns_4_5_6_without_quote_processing(tmp_path):
@@ -78,24 +105,32 @@ def test_sts_benchmark_reads_columns_4_5_6_without_quote_processing(tmp_path):
     assert scores == [5.0, 1.5, 0.0]
 
 
-SICK = ("pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
-        "1\tA group of kids is playing in a yard\tA group of boys is playing outdoors\t4.5\tNEUTRAL\n"
-        "2\tA \"brown\" dog is running\tNobody is running\t3.2\tCONTRADICTION\n")
+SICK = (
+    "pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
+    "1\tA group of kids is playing in a yard\tA group of boys is playing outdoors\t4.5\tNEUTRAL\n"
+    '2\tA "brown" dog is running\tNobody is running\t3.2\tCONTRADICTION\n'
+)
 
 
 def test_sick_relatedness_skips_the_header_and_reads_columns_1_2_3(tmp_path):
     (tmp_path / "SICK_test_annotated.txt").write_text(SICK)
     s1, s2, scores = load(tmp_path / "SICK_test_annotated.txt", "SICKRelatedness")
     assert s1 == ["A group of kids is playing in a yard", 'A "brown" dog is running']
-    assert s2 == ["A group of boys is playing outdoors", "Nobody is running"] and scores == [4.5, 3.2]
+    assert s2 == ["A group of boys is playing outdoors", "Nobody is running"] and scores == [
+        4.5,
+        3.2,
+    ]
 
 
-@pytest.mark.parametrize("content, message", [
-    ("a\tb\tc\td\t4.0\tonly one sentence\n", "at least 7"),
-    ("a\tb\tc\td\tfive\tx\ty\n", "not a number"),
-    ("a\tb\tc\td\tnan\tx\ty\n", "not finite"),
-    ("a\tb\tc\td\t9e999\tx\ty\n", "not finite"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("a\tb\tc\td\t4.0\tonly one sentence\n", "at least 7"),
+        ("a\tb\tc\td\tfive\tx\ty\n", "not a number"),
+        ("a\tb\tc\td\tnan\tx\ty\n", "not finite"),
+        ("a\tb\tc\td\t9e999\tx\ty\n", "not finite"),
+    ],
+)
 def test_malformed_split_files_are_refused_naming_the_line(tmp_path, content, message):
     (tmp_path / "sts-dev.csv").write_text("g\tf\ty\ti\t1.0\tx\ty\n" + content)
     with pytest.raises(ValueError, match=f"sts-dev.csv:2: .*{message}"):
@@ -116,7 +151,10 @@ def test_senteval_path_finds_each_task_in_the_unpacked_archive(tmp_path):
     (downstream / "SICK").mkdir()
     (downstream / "SICK" / "SICK_trial.txt").write_text(SICK)
     assert senteval_path("STS14", tmp_path) == downstream / "STS" / "STS14-en-test"
-    assert senteval_path("STSBenchmark", tmp_path, "dev") == downstream / "STS" / "STSBenchmark" / "sts-dev.csv"
+    assert (
+        senteval_path("STSBenchmark", tmp_path, "dev")
+        == downstream / "STS" / "STSBenchmark" / "sts-dev.csv"
+    )
     assert len(load(senteval_path("SICKRelatedness", tmp_path, "dev"), "SICKRelatedness")[0]) == 2
     with pytest.raises(FileNotFoundError, match="STS12-en-test"):
         senteval_path("STS12", tmp_path)
@@ -130,15 +168,21 @@ def test_an_unknown_task_is_refused(tmp_path):
 
 
 def test_simcse_training_sentences_one_per_line(tmp_path):
-    (tmp_path / "wiki1m_for_simcse.txt").write_text("First sentence.\n\n  Second, with a tab\tinside.  \n")
-    assert read_sentences(tmp_path / "wiki1m_for_simcse.txt") == ["First sentence.", "Second, with a tab\tinside."]
+    (tmp_path / "wiki1m_for_simcse.txt").write_text(
+        "First sentence.\n\n  Second, with a tab\tinside.  \n"
+    )
+    assert read_sentences(tmp_path / "wiki1m_for_simcse.txt") == [
+        "First sentence.",
+        "Second, with a tab\tinside.",
+    ]
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(ValueError, match="no sentences"):
         read_sentences(tmp_path / "empty.txt")
 
 
 ARTICLE = """{{Infobox|name={{nested|x}}}}
-'''Alpha''' is the [[Greek alphabet|first letter]] of the alphabet.<ref>A source.</ref> It comes before beta in order.
+'''Alpha''' is the [[Greek alphabet|first letter]] of the alphabet.<ref>A source.</ref> \
+It comes before beta in order.
 == History ==
 * A list item that is skipped entirely.
 [[File:Alpha.svg|thumb|A picture [[caption]].]]
@@ -149,18 +193,25 @@ It comes before beta in order.
 
 def page(title, namespace, text):
     """One <page> of a MediaWiki XML dump; the wikitext is XML-escaped as in real dumps."""
-    return f"<page><title>{title}</title><ns>{namespace}</ns><revision><text>{escape(text)}</text></revision></page>"
+    revision = f"<revision><text>{escape(text)}</text></revision>"
+    return f"<page><title>{title}</title><ns>{namespace}</ns>{revision}</page>"
 
 
-PLANTED_DUMP = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
-                + page("Alpha", 0, ARTICLE) + page("Talk:Alpha", 1, "Talk pages are not articles at all.")
-                + page("Alfa", 0, "#REDIRECT [[Alpha]] is not a sentence here.") + "</mediawiki>")
+PLANTED_DUMP = (
+    '<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
+    + page("Alpha", 0, ARTICLE)
+    + page("Talk:Alpha", 1, "Talk pages are not articles at all.")
+    + page("Alfa", 0, "#REDIRECT [[Alpha]] is not a sentence here.")
+    + "</mediawiki>"
+)
 
 
 def test_wikipedia_sentences_strip_markup_and_keep_article_sentences_once():
     assert standin.wikipedia_sentences(bz2.compress(PLANTED_DUMP.encode())) == [
-        "Alpha is the first letter of the alphabet.", "It comes before beta in order.",
-        "It was used by the Phoenicians long ago."]
+        "Alpha is the first letter of the alphabet.",
+        "It comes before beta in order.",
+        "It was used by the Phoenicians long ago.",
+    ]
 
 
 def test_a_wheel_whose_data_differs_from_gensim_4_4_0_is_refused(tmp_path):
@@ -192,45 +243,61 @@ def test_gensim_standin_sizes_and_formats(standin_root):
     folder = standin_file("train.txt", standin_root).parent
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["sizes"]["lee.tsv"] == 1225 and manifest["sizes"]["wordsim353.tsv"] == 353
-    assert manifest["sizes"]["simlex999.tsv"] == 999 and 15000 < manifest["sizes"]["train.txt"] < 20000
+    assert (
+        manifest["sizes"]["simlex999.tsv"] == 999 and 15000 < manifest["sizes"]["train.txt"] < 20000
+    )
     sentences = read_sentences(folder / "train.txt")
     assert len(sentences) == len(set(sentences)) == manifest["sizes"]["train.txt"]
     lee = load_standin("lee", standin_root)
     assert len(set(lee[0]) | set(lee[1])) == 50 and all(0 <= s <= 1 for s in lee[2])
-    assert "£" in " ".join(lee[0])                          # Latin-1 decoded
+    assert "£" in " ".join(lee[0])  # Latin-1 decoded
     words = load_standin("simlex999", standin_root)
     assert (words[0][0], words[1][0], words[2][0]) == ("old", "new", 1.58)
     dev, test = load_standin("lee-dev", standin_root), load_standin("lee-test", standin_root)
-    assert len(dev[2]) == len(test[2]) == 300 and not (set(dev[0]) | set(dev[1])) & (set(test[0]) | set(test[1]))
+    assert len(dev[2]) == len(test[2]) == 300 and not (set(dev[0]) | set(dev[1])) & (
+        set(test[0]) | set(test[1])
+    )
 
 
 def test_the_lee_split_keeps_every_document_in_one_half():
     documents = [f"document {i}" for i in range(10)]
-    pairs = [(a, b, float(i + j)) for i, a in enumerate(documents) for j, b in enumerate(documents) if i < j]
+    pairs = [
+        (a, b, float(i + j))
+        for i, a in enumerate(documents)
+        for j, b in enumerate(documents)
+        if i < j
+    ]
     dev, test = standin.split_by_document(pairs)
     dev_docs, test_docs = {t for p in dev for t in p[:2]}, {t for p in test for t in p[:2]}
     assert not dev_docs & test_docs and len(dev_docs) == len(test_docs) == 5
     assert len(dev) == len(test) == 10  # C(5, 2) each; the 25 pairs across the halves are dropped
 
 
-def test_gensim_standin_is_the_same_from_a_wheel_with_windows_line_ends(gensim_wheel, standin_root, tmp_path):
+def test_gensim_standin_is_the_same_from_a_wheel_with_windows_line_ends(
+    gensim_wheel, standin_root, tmp_path
+):
     crlf = tmp_path / "gensim-4.4.0-cp312-cp312-win_amd64.whl"
     with zipfile.ZipFile(gensim_wheel) as source, zipfile.ZipFile(crlf, "w") as target:
         for name in standin.WHEEL_FILES:
             data = source.read("gensim/test/test_data/" + name)
-            target.writestr("gensim/test/test_data/" + name,
-                            data if name.endswith(".bz2") else data.replace(b"\n", b"\r\n"))
-    manifests = [json.loads((standin.build(root, wheel=wheel) / "manifest.json").read_text())
-                 for root, wheel in ((standin_root, None), (tmp_path, crlf))]
+            target.writestr(
+                "gensim/test/test_data/" + name,
+                data if name.endswith(".bz2") else data.replace(b"\n", b"\r\n"),
+            )
+    manifests = [
+        json.loads((standin.build(root, wheel=wheel) / "manifest.json").read_text())
+        for root, wheel in ((standin_root, None), (tmp_path, crlf))
+    ]
     assert manifests[0]["sha256"] == manifests[1]["sha256"]
 
 
 def test_gensim_standin_build_is_idempotent(standin_root):
     folder = standin_file("train.txt", standin_root).parent
     stamp = (folder / "train.txt").stat().st_mtime_ns
-    assert standin.build(standin_root) == folder                # built: no wheel needed
+    assert standin.build(standin_root) == folder  # built: no wheel needed
     assert (folder / "train.txt").stat().st_mtime_ns == stamp
-    assert [p.name for p in folder.parent.iterdir()] == ["gensim-standin"]  # no staging folder left behind
+    # no staging folder left behind
+    assert [p.name for p in folder.parent.iterdir()] == ["gensim-standin"]
     with pytest.raises(ValueError, match="stand-in evaluation sets"):
         load_standin("STSBenchmark", standin_root)
 
@@ -242,7 +309,6 @@ def test_a_missing_standin_is_built_by_its_data_script(tmp_path, monkeypatch):
     assert calls == [("build_sts_standin.py", "--root", tmp_path)]
 
 
-
 def test_download_script_unpacks_senteval_where_the_readers_find_it(tmp_path, monkeypatch, capsys):
     served = tmp_path / "served"
     write_year(served / "downstream" / "STS" / "STS15-en-test", "STS15")
@@ -252,7 +318,7 @@ def test_download_script_unpacks_senteval_where_the_readers_find_it(tmp_path, mo
     monkeypatch.setattr(download_sts, "BASE", tmp_path.as_uri() + "/")
     with pytest.raises(SystemExit) as finished:
         download_sts.main(["--root", str(tmp_path / "data"), "--only", "senteval", "wiki1m"])
-    assert finished.value.code == 1                                   # wiki1m is not served
+    assert finished.value.code == 1  # wiki1m is not served
     output = capsys.readouterr()
     assert "first fetch: recorded in" in output.out and "wiki1m: UNREACHABLE" in output.err
     year = senteval_path("STS15", tmp_path / "data" / "sts" / "SentEval")

@@ -1,14 +1,22 @@
 """gcbs_lib.distributed in one process: the identities the multi-process tests build on.
 
-`gather_with_grad`'s backward is checked only in `test_distributed_gloo.py`, on purpose: in one process the sum over
-ranks has a single term, so a backward that stopped summing would still pass here.
+`gather_with_grad`'s backward is checked only in `test_distributed_gloo.py`, on purpose: in one
+process the sum over ranks has a single term, so a backward that stopped summing would still pass
+here.
 """
+
 import pytest
 import torch
 
 from gcbs_lib.check import relative_error
-from gcbs_lib.distributed import (VirtualRanks, all_reduce_gradients, gather_ragged, gather_with_grad, launch,
-                                  rank_difference)
+from gcbs_lib.distributed import (
+    VirtualRanks,
+    all_reduce_gradients,
+    gather_ragged,
+    gather_with_grad,
+    launch,
+    rank_difference,
+)
 
 
 def embeddings(n, dim=6, seed=0):
@@ -33,8 +41,12 @@ def test_virtual_reduce_scatter_sums_every_ranks_gradient_of_each_rows():
     pieces = [embeddings(2, seed=r).requires_grad_() for r in range(3)]
     copies = ranks.all_gather(pieces)
     losses = [(copies[r] ** 3).sum() * (r + 1) for r in range(3)]
-    received = ranks.reduce_scatter([torch.autograd.grad(loss, copy)[0] for loss, copy in zip(losses, copies)])
-    autograd = torch.autograd.grad(sum((torch.cat(pieces) ** 3).sum() * (r + 1) for r in range(3)), pieces)
+    received = ranks.reduce_scatter(
+        [torch.autograd.grad(loss, copy)[0] for loss, copy in zip(losses, copies)]
+    )
+    autograd = torch.autograd.grad(
+        sum((torch.cat(pieces) ** 3).sum() * (r + 1) for r in range(3)), pieces
+    )
     for ours, reference in zip(received, autograd):
         assert relative_error(ours, reference) <= 1e-15
 
@@ -46,7 +58,9 @@ def test_virtual_own_slice_keeps_each_ranks_own_rows_of_its_own_copy():
 
 
 def test_virtual_all_reduce_mean_is_the_mean_over_ranks():
-    assert VirtualRanks(2).all_reduce_mean([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])]).tolist() == [2, 4]
+    assert VirtualRanks(2).all_reduce_mean(
+        [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])]
+    ).tolist() == [2, 4]
 
 
 def test_virtual_shard_splits_tensors_and_dicts_into_equal_rank_pieces():

@@ -1,8 +1,11 @@
-"""Real data-parallel steps on gloo ranks, CPU, float64: one launched job per world size runs every check.
+"""Real data-parallel steps on gloo ranks, CPU, float64: one launched job per world size runs every
+check.
 
-The kit's step (GradCache over a DDP encoder, `gather_with_grad`, each rank's share of the loss) must give the
-single-process full-batch gradient on every rank; the known mistakes must show their exact ratios.
+The kit's step (GradCache over a DDP encoder, `gather_with_grad`, each rank's share of the loss)
+must give the single-process full-batch gradient on every rank; the known mistakes must show their
+exact ratios.
 """
+
 from dataclasses import replace
 
 import pytest
@@ -10,26 +13,43 @@ import torch
 from torch import nn
 
 from gcbs_lib.check import relative_error
-from gcbs_lib.ddp_scaling import CONVENTIONS, ScalingSetup, build_models, ddp_steps, flat_gradients, global_batch
-from gcbs_lib.distributed import (VirtualRanks, all_reduce_gradients, gather_ragged, gather_with_grad, launch,
-                                  rank_and_world_size, rank_difference)
+from gcbs_lib.ddp_scaling import (
+    CONVENTIONS,
+    ScalingSetup,
+    build_models,
+    ddp_steps,
+    flat_gradients,
+    global_batch,
+)
+from gcbs_lib.distributed import (
+    VirtualRanks,
+    all_reduce_gradients,
+    gather_ragged,
+    gather_with_grad,
+    launch,
+    rank_and_world_size,
+    rank_difference,
+)
 from gcbs_lib.gradcache import encode_in_chunks
 from gcbs_lib.losses import info_nce
 
-SETUP = ScalingSetup(per_rank=4, chunk_size=2)  # 2 chunks per branch: 4 replays, only the last may sync
+# 2 chunks per branch: 4 replays, only the last may sync
+SETUP = ScalingSetup(per_rank=4, chunk_size=2)
 DROPOUT = 0.1
 RUNS = [(name, SETUP) for name in CONVENTIONS] + [("kit", replace(SETUP, dropout=DROPOUT))]
 
 
 def full_batch_step(setup: ScalingSetup, world_size: int) -> dict:
-    """The reference: one process encodes each rank's rows chunk by chunk under that rank's dropout seed, and takes
-    the symmetric InfoNCE over all W·B pairs."""
+    """The reference: one process encodes each rank's rows chunk by chunk under that rank's dropout
+    seed, and takes the symmetric InfoNCE over all W·B pairs."""
     encoder, scale = build_models(setup)
     shards = [VirtualRanks(world_size).shard(batch) for batch in global_batch(setup, world_size)]
     embeddings = []
     for rank in range(world_size):
         torch.manual_seed(setup.rank_seed(rank))
-        embeddings.append([encode_in_chunks(encoder, shard[rank], setup.chunk_size) for shard in shards])
+        embeddings.append(
+            [encode_in_chunks(encoder, shard[rank], setup.chunk_size) for shard in shards]
+        )
     queries, docs = (torch.cat(rows) for rows in zip(*embeddings))
     loss = info_nce(queries, docs, scale, symmetric=True)
     loss.backward()
@@ -37,7 +57,8 @@ def full_batch_step(setup: ScalingSetup, world_size: int) -> dict:
 
 
 def gradient_ratio(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
-    """The c with ours ≈ c·reference (least squares), and how far ours is from c·reference (relative error)."""
+    """The c with ours ≈ c·reference (least squares), and how far ours is from c·reference (relative
+    error)."""
     c = float(ours @ reference / (reference @ reference))
     return c, relative_error(ours, c * reference)
 
@@ -55,14 +76,18 @@ def raised_on(function, *args) -> int:
 
 
 def collective_checks(rows: int = 3, dim: int = 4) -> dict:
-    """On every rank: `gather_with_grad` against the concatenation and a reduce-scatter written out, mismatched
-    shapes and dtypes, `gather_ragged` of rank r's r + 1 rows, `all_reduce_gradients` of r + 1."""
+    """On every rank: `gather_with_grad` against the concatenation and a reduce-scatter written out,
+    mismatched shapes and dtypes, `gather_ragged` of rank r's r + 1 rows, `all_reduce_gradients` of
+    r + 1."""
     rank, world_size = rank_and_world_size()
 
-    def rank_tensors(r: int) -> tuple[torch.Tensor, torch.Tensor]:  # rank r's input and its incoming gradient
+    # rank r's input and its incoming gradient
+    def rank_tensors(r: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(r)
-        return (torch.randn(rows, dim, generator=generator, dtype=torch.float64),
-                torch.randn(world_size * rows, dim, generator=generator, dtype=torch.float64))
+        return (
+            torch.randn(rows, dim, generator=generator, dtype=torch.float64),
+            torch.randn(world_size * rows, dim, generator=generator, dtype=torch.float64),
+        )
 
     x, grad = rank_tensors(rank)
     x.requires_grad_()
@@ -73,14 +98,19 @@ def collective_checks(rows: int = 3, dim: int = 4) -> dict:
     p.grad = torch.full_like(p, rank + 1.0)
     all_reduce_gradients([p, p])
     averaged = p.grad.tolist()
-    return {"forward_error": relative_error(gathered, torch.cat([t for t, _ in everyone])),
-            "backward_error": relative_error(x.grad, sum(g for _, g in everyone)[rank * rows:(rank + 1) * rows]),
-            "shape_mismatch_raised_on": raised_on(gather_with_grad, torch.zeros(rows + rank, dim)),
-            "dtype_mismatch_raised_on": raised_on(gather_with_grad, torch.zeros(rows, dtype=torch.float32 if rank
-                                                                                 else torch.float64)),
-            "ragged": gather_ragged(torch.full((rank + 1, 2), float(rank))).tolist(),
-            "averaged": averaged,
-            "unsynced_difference": rank_difference([torch.full((2,), float(rank))])}
+    return {
+        "forward_error": relative_error(gathered, torch.cat([t for t, _ in everyone])),
+        "backward_error": relative_error(
+            x.grad, sum(g for _, g in everyone)[rank * rows : (rank + 1) * rows]
+        ),
+        "shape_mismatch_raised_on": raised_on(gather_with_grad, torch.zeros(rows + rank, dim)),
+        "dtype_mismatch_raised_on": raised_on(
+            gather_with_grad, torch.zeros(rows, dtype=torch.float32 if rank else torch.float64)
+        ),
+        "ragged": gather_ragged(torch.full((rank + 1, 2), float(rank))).tolist(),
+        "averaged": averaged,
+        "unsynced_difference": rank_difference([torch.full((2,), float(rank))]),
+    }
 
 
 def on_every_rank(runs) -> dict:
@@ -91,9 +121,14 @@ def on_every_rank(runs) -> dict:
 def job(request):
     world_size = request.param
     out = launch(on_every_rank, nproc=world_size, args={"runs": RUNS}, echo=False)
-    return {"world_size": world_size, "collectives": out["collectives"],
-            "runs": [(name, setup, step) for (name, setup), step in zip(RUNS, out["steps"])],
-            "reference": {p: full_batch_step(replace(SETUP, dropout=p), world_size) for p in (0.0, DROPOUT)}}
+    return {
+        "world_size": world_size,
+        "collectives": out["collectives"],
+        "runs": [(name, setup, step) for (name, setup), step in zip(RUNS, out["steps"])],
+        "reference": {
+            p: full_batch_step(replace(SETUP, dropout=p), world_size) for p in (0.0, DROPOUT)
+        },
+    }
 
 
 def test_the_kit_step_gives_the_full_batch_gradient_and_loss_with_and_without_dropout(job):
@@ -102,7 +137,10 @@ def test_the_kit_step_gives_the_full_batch_gradient_and_loss_with_and_without_dr
     for setup, step in kit:
         reference = job["reference"][setup.dropout]
         for name in ("encoder", "logit_scale"):
-            assert relative_error(step["grads"][name], reference["grads"][name]) <= 1e-10, (setup.dropout, name)
+            assert relative_error(step["grads"][name], reference["grads"][name]) <= 1e-10, (
+                setup.dropout,
+                name,
+            )
         assert abs(step["loss"] - reference["loss"]) <= 1e-10 * reference["loss"]
 
 
@@ -116,27 +154,40 @@ def test_gradients_are_bitwise_equal_across_ranks(job):
 
 
 def test_each_step_runs_exactly_one_allreduce_and_the_replays_do_not_sync(job):
-    assert SETUP.per_rank // SETUP.chunk_size > 1  # several replays per branch, so a sync per replay would show
+    # several replays per branch, so a sync per replay would show
+    assert SETUP.per_rank // SETUP.chunk_size > 1
     for _, _, step in job["runs"]:
         assert step["allreduces"] == [step["grads"]["encoder"].numel()]
 
 
 def test_the_known_mistakes_scale_the_gradient_by_exact_ratios(job):
     w = job["world_size"]
-    predicted = {"kit": (1, 1), "loss_x_W": (w, w), "no_grad": (1 / w, 1), "no_grad_x_W": (1, w),
-                 "milnce": (1 / w, 1)}  # (encoder, logit scale), derived in notebook 02
+    predicted = {
+        "kit": (1, 1),
+        "loss_x_W": (w, w),
+        "no_grad": (1 / w, 1),
+        "no_grad_x_W": (1, w),
+        "milnce": (1 / w, 1),
+    }  # (encoder, logit scale), derived in notebook 02
     reference = job["reference"][0.0]
     for name, setup, step in job["runs"]:
         if name in predicted and setup.dropout == 0.0:
             for grad, expected in zip(("encoder", "logit_scale"), predicted[name]):
                 ratio, residual = gradient_ratio(step["grads"][grad], reference["grads"][grad])
-                assert abs(ratio - expected) <= 1e-10 * expected and residual <= 1e-10, (name, grad, ratio)
+                assert abs(ratio - expected) <= 1e-10 * expected and residual <= 1e-10, (
+                    name,
+                    grad,
+                    ratio,
+                )
     assert set(predicted) | {"no_grad_share"} == set(CONVENTIONS)
 
 
 def test_a_gather_without_grad_under_the_rank_share_is_not_even_a_multiple(job):
     step = next(step for name, _, step in job["runs"] if name == "no_grad_share")
-    assert gradient_ratio(step["grads"]["encoder"], job["reference"][0.0]["grads"]["encoder"])[1] > 1e-2
+    assert (
+        gradient_ratio(step["grads"]["encoder"], job["reference"][0.0]["grads"]["encoder"])[1]
+        > 1e-2
+    )
 
 
 def test_gather_with_grad_forward_is_the_concatenation_and_backward_a_reduce_scatter(job):
@@ -150,7 +201,9 @@ def test_ranks_with_different_shapes_or_dtypes_all_raise_instead_of_hanging(job)
 
 
 def test_gather_ragged_concatenates_ranks_holding_different_row_counts(job):
-    assert job["collectives"]["ragged"] == [[float(r)] * 2 for r in range(job["world_size"]) for _ in range(r + 1)]
+    assert job["collectives"]["ragged"] == [
+        [float(r)] * 2 for r in range(job["world_size"]) for _ in range(r + 1)
+    ]
 
 
 def test_all_reduce_gradients_averages_and_the_sync_check_sees_ranks_that_disagree(job):

@@ -1,22 +1,24 @@
-"""Specification of data_scripts/download_cifar10.py on a tiny archive in CIFAR-10's real layout, served from a
-file: URL (no network): it unpacks where `load("cifar10")` reads, keeps a complete folder without downloading,
-checks the MD5, and refuses unsafe archive members with or without `tarfile.data_filter` (Python < 3.11.4)."""
+"""Specification of data_scripts/download_cifar10.py on a tiny archive in CIFAR-10's real layout,
+served from a file: URL (no network): it unpacks where `load("cifar10")` reads, keeps a complete
+folder without downloading, checks the MD5, and refuses unsafe archive members with or without
+`tarfile.data_filter` (Python < 3.11.4)."""
+
 import hashlib
 import io
 import pickle
 import tarfile
 
 import pytest
-
 from fetch import DownloadError
-from gcbs_lib.data.images import CIFAR10_FILES, load_cifar10
 from test_data_images import cifar_batch
 from test_data_sts import script
 
+from gcbs_lib.data.images import CIFAR10_FILES, load_cifar10
+
 
 def write_archive(path, members=None):
-    """A .tar.gz with `cifar-10-batches-py/` holding every batch (2 images each) and batches.meta, plus
-    `members` ({TarInfo: bytes or None})."""
+    """A .tar.gz with `cifar-10-batches-py/` holding every batch (2 images each) and batches.meta,
+    plus `members` ({TarInfo: bytes or None})."""
     with tarfile.open(path, "w:gz") as tar:
         files = {name: cifar_batch(2) for names in CIFAR10_FILES.values() for name in names}
         files["batches.meta"] = {b"label_names": [b"airplane"]}
@@ -46,7 +48,9 @@ def test_the_batches_land_where_the_reader_finds_them(cifar, tmp_path):
     assert len(load_cifar10(folder, "train")[0]) == 10 and len(load_cifar10(folder, "test")[0]) == 2
 
 
-def test_a_complete_folder_is_kept_without_downloading_the_archive_again(cifar, tmp_path, monkeypatch):
+def test_a_complete_folder_is_kept_without_downloading_the_archive_again(
+    cifar, tmp_path, monkeypatch
+):
     root = tmp_path / "data"
     folder = cifar.fetch(root)
     (root / "images" / "cifar-10-python.tar.gz").unlink()
@@ -66,7 +70,8 @@ def test_an_archive_with_another_md5_is_removed_and_refused(cifar, tmp_path, mon
 
 
 def python_before_3_11_4(monkeypatch):
-    """tarfile as in Python 3.11.0–3.11.3: no `data_filter`, and `extractall` takes no filter (trusts all)."""
+    """tarfile as in Python 3.11.0–3.11.3: no `data_filter`, and `extractall` takes no filter
+    (trusts all)."""
     monkeypatch.delattr(tarfile, "data_filter")
     extractall = tarfile.TarFile.extractall
 
@@ -78,8 +83,13 @@ def python_before_3_11_4(monkeypatch):
 
 def unsafe(kind, tmp_path):
     """An archive member that would write outside the target folder."""
-    info = tarfile.TarInfo({"dotdot": "cifar-10-batches-py/../../../escaped", "absolute": f"{tmp_path}/escaped",
-                            "symlink": "cifar-10-batches-py/outside"}[kind])
+    info = tarfile.TarInfo(
+        {
+            "dotdot": "cifar-10-batches-py/../../../escaped",
+            "absolute": f"{tmp_path}/escaped",
+            "symlink": "cifar-10-batches-py/outside",
+        }[kind]
+    )
     if kind == "symlink":
         info.type, info.linkname = tarfile.SYMTYPE, "../../../escaped"
         return {info: None}
@@ -90,20 +100,25 @@ def unsafe(kind, tmp_path):
 @pytest.mark.parametrize("data_filter", [True, False], ids=["data-filter", "python-before-3.11.4"])
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink"])
 def test_unsafe_members_never_reach_outside_the_folder_with_or_without_tarfile_data_filter(
-        cifar, tmp_path, monkeypatch, kind, data_filter):
+    cifar, tmp_path, monkeypatch, kind, data_filter
+):
     if not data_filter:
         python_before_3_11_4(monkeypatch)
     archive = write_archive(tmp_path / "unsafe.tar.gz", unsafe(kind, tmp_path))
     monkeypatch.setattr(cifar, "URL", archive.as_uri())
     monkeypatch.setattr(cifar, "MD5", hashlib.md5(archive.read_bytes()).hexdigest())
     images = tmp_path / "data" / "images"
-    if data_filter and kind == "absolute":  # the data filter drops the leading "/": the file lands inside
+    # the data filter drops the leading "/": the file lands inside
+    if data_filter and kind == "absolute":
         cifar.fetch(tmp_path / "data")
         assert (images / str(tmp_path).lstrip("/") / "escaped").is_file()
     else:
         with pytest.raises(ValueError if not data_filter else (ValueError, tarfile.FilterError)):
             cifar.fetch(tmp_path / "data")
-    assert not (tmp_path / "escaped").exists() and not (images / "cifar-10-batches-py" / "outside").is_symlink()
+    assert (
+        not (tmp_path / "escaped").exists()
+        and not (images / "cifar-10-batches-py" / "outside").is_symlink()
+    )
 
 
 def test_without_data_filter_a_safe_archive_still_unpacks(cifar, tmp_path, monkeypatch):

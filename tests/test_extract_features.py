@@ -1,12 +1,15 @@
-"""Specification of `data_scripts/howto100m_extract_features.py` on real videos written with imageio-ffmpeg's
-ffmpeg: a 3.5 s video at 8 frames/s whose frame i has background level 8·i (and a moving square), a corrupt, an
-empty and a truncated file, and a pipe that never delivers a byte. Tiny frozen random networks with the default
-encoders' output widths stand in for ResNet-152 / R(2+1)D-18; torchvision's own are tried when it imports."""
+"""Specification of `data_scripts/howto100m_extract_features.py` on real videos written with
+imageio-ffmpeg's ffmpeg: a 3.5 s video at 8 frames/s whose frame i has background level 8·i (and a
+moving square), a corrupt, an empty and a truncated file, and a pipe that never delivers a byte.
+Tiny frozen random networks with the default encoders' output widths stand in for ResNet-152 /
+R(2+1)D-18; torchvision's own are tried when it imports."""
+
 import importlib.util
 import os
 from pathlib import Path
 
-import imageio_ffmpeg  # pinned in requirements.txt: a missing install fails here rather than skipping the file
+# pinned in requirements.txt: a missing install fails here rather than skipping the file
+import imageio_ffmpeg
 import numpy as np
 import pytest
 import torch
@@ -27,13 +30,14 @@ def write_video(path: Path) -> None:
     writer.send(None)
     for i in range(FRAMES):
         frame = np.full((48, 64, 3), 8 * i, dtype=np.uint8)
-        frame[16:32, 2 * i:2 * i + 16] = 255  # a square moving right
+        frame[16:32, 2 * i : 2 * i + 16] = 255  # a square moving right
         writer.send(frame.tobytes())
     writer.close()
 
 
 def tiny_encoders() -> tuple[nn.Module, nn.Module]:
-    """Random networks with the default encoders' output widths: 2D frames → 2048, 3D clips → 512."""
+    """Random networks with the default encoders' output widths: 2D frames → 2048, 3D clips →
+    512."""
     torch.manual_seed(0)
     net_2d = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(3 * 16, 2048))
     net_3d = nn.Sequential(nn.AdaptiveAvgPool3d((2, 4, 4)), nn.Flatten(), nn.Linear(3 * 32, 512))
@@ -41,8 +45,8 @@ def tiny_encoders() -> tuple[nn.Module, nn.Module]:
 
 
 def source_frame(frames: torch.Tensor) -> list[int]:
-    """Which source frame each decoded frame shows: its background level is 8·i (ffmpeg's colour round trip
-    moves it by at most 2)."""
+    """Which source frame each decoded frame shows: its background level is 8·i (ffmpeg's colour
+    round trip moves it by at most 2)."""
     return (frames[:, 2, 2, :].float().mean(1) / 8).round().long().tolist()
 
 
@@ -50,7 +54,9 @@ def source_frame(frames: torch.Tensor) -> list[int]:
 def videos(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("videos")
     write_video(folder / "good.mp4")
-    (folder / "corrupt.mp4").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    (folder / "corrupt.mp4").write_bytes(
+        np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    )
     (folder / "empty.mp4").write_bytes(b"")
     (folder / "truncated.mp4").write_bytes((folder / "good.mp4").read_bytes()[:1000])
     (folder / "notes.txt").write_text("not a video")
@@ -68,14 +74,18 @@ def test_decoding_samples_one_frame_per_second_for_2d_and_16_per_second_for_3d(v
     assert frames_2d.shape == (3, 224, 224, 3) and frames_3d.shape == (56, 112, 112, 3)
     assert frames_2d.dtype == frames_3d.dtype == torch.uint8
     assert source_frame(frames_2d) == [0, 8, 16]  # t = 0, 1, 2 s at 8 frames/s
-    assert source_frame(frames_3d) == [j // 2 for j in range(56)]  # 16 frames/s from 8: each frame twice
+    # 16 frames/s from 8: each frame twice
+    assert source_frame(frames_3d) == [j // 2 for j in range(56)]
     assert extractor.clip_starts(56).tolist() == [0, 11, 21, 32, 43]  # every 1/1.5 s at 16 frames/s
 
 
 def test_a_video_gives_unit_float16_rows_at_1_and_1_5_per_second(extracted):
     out, done = extracted
     assert done["extracted"] == ["good.mp4"]
-    rows_2d, rows_3d = np.load(out / "features_2d" / "good.npy"), np.load(out / "features_3d" / "good.npy")
+    rows_2d, rows_3d = (
+        np.load(out / "features_2d" / "good.npy"),
+        np.load(out / "features_3d" / "good.npy"),
+    )
     assert rows_2d.shape == (3, 2048) and rows_3d.shape == (5, 512)
     assert rows_2d.dtype == rows_3d.dtype == np.float16
     for rows in (rows_2d, rows_3d):
@@ -120,8 +130,11 @@ def test_torchvision_encoders_have_the_documented_widths():
     try:
         import torchvision  # noqa: F401
     except Exception as error:  # not installed, or a CUDA build beside a CPU torch
-        pytest.skip(f"torchvision cannot be imported here ({type(error).__name__}: {error}); the pipeline is "
-                    f"tested with tiny networks of the same widths")
+        pytest.skip(
+            f"torchvision cannot be imported here ({type(error).__name__}: {error}); the "
+            "pipeline is "
+            f"tested with tiny networks of the same widths"
+        )
     net_2d, net_3d = extractor.torchvision_encoders(random_weights=True)
     with torch.no_grad():
         assert net_2d.eval()(torch.zeros(1, 3, 224, 224)).shape == (1, 2048)

@@ -1,4 +1,6 @@
-"""Specification of GCBS: the exact similarity threshold, the RCM permutation, the epoch's batches, the loss gap."""
+"""Specification of GCBS: the exact similarity threshold, the RCM permutation, the epoch's batches,
+the loss gap."""
+
 import numpy as np
 import pytest
 import torch
@@ -14,29 +16,35 @@ BATCH, TAU = 32, 0.05
 
 
 def pairs(n, dim, clusters=0, spread=0.5, noise=0.1, seed=0):
-    """n pairs z1 ~ N(0, I) (or around `clusters` random centres, `spread` around each), z2 = z1 + noise."""
+    """n pairs z1 ~ N(0, I) (or around `clusters` random centres, `spread` around each), z2 = z1 +
+    noise."""
     g = torch.Generator().manual_seed(seed)
     z1 = torch.randn(n, dim, generator=g)
     if clusters:
-        z1 = torch.randn(clusters, dim, generator=g)[torch.randint(clusters, (n,), generator=g)] + spread * z1
+        z1 = (
+            torch.randn(clusters, dim, generator=g)[torch.randint(clusters, (n,), generator=g)]
+            + spread * z1
+        )
     return z1, z1 + noise * torch.randn(n, dim, generator=g)
 
 
 def tied_pairs(n, dim, seed=0):
-    """A third of the items coincide (many equal similarities), and the positives point the other way."""
+    """A third of the items coincide (many equal similarities), and the positives point the other
+    way."""
     z1 = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
-    z1[:n // 3] = z1[0]
+    z1[: n // 3] = z1[0]
     return z1, -z1
 
 
 def reference(z1, z2, quantile, seed):
-    """The GCBS threshold and order written plainly: S whole (float32, from the library's row blocks, as BLAS
-    rounding may depend on the block), numpy's quantile of its off-diagonal entries in float64, the entries above
-    it as edges in either direction, RCM of the graph relabelled by the seeded permutation."""
+    """The GCBS threshold and order written plainly: S whole (float32, from the library's row
+    blocks, as BLAS rounding may depend on the block), numpy's quantile of its off-diagonal entries
+    in float64, the entries above it as edges in either direction, RCM of the graph relabelled by
+    the seeded permutation."""
     u1, u2 = (F.normalize(z.float(), dim=1) for z in (z1, z2))
     n = len(u1)
     rows = max(1, gcbs.BLOCK_ELEMENTS // n)
-    similarity = torch.cat([u1[s:s + rows] @ u2.T for s in range(0, n, rows)]).numpy()
+    similarity = torch.cat([u1[s : s + rows] @ u2.T for s in range(0, n, rows)]).numpy()
     off_diagonal = ~np.eye(n, dtype=bool)
     threshold = np.quantile(similarity[off_diagonal].astype(np.float64), quantile)
     edges = (similarity > threshold) & off_diagonal
@@ -62,6 +70,7 @@ DATA_SETS = {  # name: (z1, z2, quantile)
 
 # ------------------------------------------------------------------------- threshold and order
 
+
 @pytest.mark.parametrize("name", DATA_SETS)
 def test_threshold_and_order_equal_the_plain_full_matrix_reference(name):
     z1, z2, quantile = DATA_SETS[name]
@@ -70,8 +79,12 @@ def test_threshold_and_order_equal_the_plain_full_matrix_reference(name):
     assert torch.equal(gcbs_permutation(z1, z2, quantile, seed=5), order)
 
 
-@pytest.mark.parametrize("n, quantile, clusters", [(2, 0.5, 0), (37, 0.1, 0), (500, 0.999, 5), (1500, 0.5, 0)])
-def test_threshold_equals_numpys_linear_quantile_of_the_off_diagonal_similarities(n, quantile, clusters):
+@pytest.mark.parametrize(
+    "n, quantile, clusters", [(2, 0.5, 0), (37, 0.1, 0), (500, 0.999, 5), (1500, 0.5, 0)]
+)
+def test_threshold_equals_numpys_linear_quantile_of_the_off_diagonal_similarities(
+    n, quantile, clusters
+):
     z1, z2 = pairs(n, 8, clusters=clusters, seed=n)
     assert library_threshold(z1, z2, quantile) == reference(z1, z2, quantile, seed=0)[0]
 
@@ -79,10 +92,12 @@ def test_threshold_equals_numpys_linear_quantile_of_the_off_diagonal_similaritie
 @pytest.mark.parametrize("name", ["clustered", "tight clusters, low q", "ties and negatives"])
 def test_many_small_blocks_and_a_missed_sample_bound_change_nothing(name, monkeypatch):
     z1, z2, quantile = DATA_SETS[name]
-    monkeypatch.setattr(gcbs, "BLOCK_ELEMENTS", 2**12)  # a few rows per block: the held candidates are trimmed
+    # a few rows per block: the held candidates are trimmed
+    monkeypatch.setattr(gcbs, "BLOCK_ELEMENTS", 2**12)
     threshold, _, order = reference(z1, z2, quantile, seed=5)
     assert torch.equal(gcbs_permutation(z1, z2, quantile, seed=5), order)
-    monkeypatch.setattr(gcbs, "_sample_bound", lambda u1, u2, keep: 1.5)  # above every similarity: a second pass
+    # above every similarity: a second pass
+    monkeypatch.setattr(gcbs, "_sample_bound", lambda u1, u2, keep: 1.5)
     assert library_threshold(z1, z2, quantile) == threshold
     assert torch.equal(gcbs_permutation(z1, z2, quantile, seed=5), order)
 
@@ -105,11 +120,15 @@ def test_permutation_orders_every_item_once_and_follows_the_seed():
 
 def test_isolated_items_are_neither_in_index_order_nor_the_same_from_seed_to_seed():
     z1, z2 = pairs(400, 16, clusters=4, spread=0.1)
-    loners = torch.randn(200, 16, generator=torch.Generator().manual_seed(1))  # nothing similar: no edge
+    # nothing similar: no edge
+    loners = torch.randn(200, 16, generator=torch.Generator().manual_seed(1))
     z1, z2 = torch.cat([z1, loners]), torch.cat([z2, loners])
     isolated = set(np.flatnonzero(~reference(z1, z2, 0.99, seed=0)[1].any(axis=1)).tolist())
     assert len(isolated) > 50
-    sequences = [[i for i in gcbs_permutation(z1, z2, 0.99, seed).tolist() if i in isolated] for seed in (0, 1)]
+    sequences = [
+        [i for i in gcbs_permutation(z1, z2, 0.99, seed).tolist() if i in isolated]
+        for seed in (0, 1)
+    ]
     assert sequences[0] != sorted(sequences[0]) and sequences[0] != sequences[1]
 
 
@@ -122,7 +141,8 @@ def test_on_planted_clusters_gcbs_batches_have_a_smaller_loss_gap_than_random_on
 
 # ----------------------------------------------------------------------------------- batches
 
-def test_batches_are_the_order_cut_with_the_last_short_batch_dropped_and_shuffled_by_seed_and_epoch():
+
+def test_batches_are_the_order_cut_last_short_dropped_and_shuffled_by_seed_and_epoch():
     z1, z2 = pairs(210, 8, clusters=6)
     batches = gcbs_batches(z1, z2, 20, quantile=0.98, seed=3, epoch=2)
     assert batches.dtype == torch.long and batches.shape == (10, 20)
@@ -133,19 +153,26 @@ def test_batches_are_the_order_cut_with_the_last_short_batch_dropped_and_shuffle
 
 def test_batches_are_deterministic_for_a_seed_and_epoch_and_differ_across_them():
     z1, z2 = pairs(300, 8, clusters=6)
-    runs = {(s, e): gcbs_batches(z1, z2, 25, quantile=0.98, seed=s, epoch=e) for s, e in [(0, 0), (0, 1), (1, 0)]}
+    runs = {
+        (s, e): gcbs_batches(z1, z2, 25, quantile=0.98, seed=s, epoch=e)
+        for s, e in [(0, 0), (0, 1), (1, 0)]
+    }
     assert torch.equal(runs[(0, 0)], gcbs_batches(z1, z2, 25, quantile=0.98, seed=0, epoch=0))
-    assert not torch.equal(runs[(0, 1)], runs[(0, 0)]) and not torch.equal(runs[(1, 0)], runs[(0, 1)])
+    assert not torch.equal(runs[(0, 1)], runs[(0, 0)]) and not torch.equal(
+        runs[(1, 0)], runs[(0, 1)]
+    )
 
 
 def test_equal_keys_never_share_a_batch():
-    keys = [i % 120 for i in range(300)]  # every text occurs 2 or 3 times, and its copies embed identically
+    # every text occurs 2 or 3 times, and its copies embed identically
+    keys = [i % 120 for i in range(300)]
     z1, z2 = (z[torch.tensor(keys)] for z in pairs(300, 16, clusters=5))
     batches = gcbs_batches(z1, z2, 20, quantile=0.99, keys=keys)
     assert batches.shape == (15, 20) and len(batches.unique()) == 300
     assert all(len({keys[i] for i in batch}) == 20 for batch in batches.tolist())
     together = gcbs_batches(z1, z2, 20, quantile=0.99)
-    assert any(len({keys[i] for i in batch}) < 20 for batch in together.tolist())  # without keys they would meet
+    # without keys they would meet
+    assert any(len({keys[i] for i in batch}) < 20 for batch in together.tolist())
 
 
 def test_copies_of_one_key_at_the_end_of_the_order_still_get_one_batch_each():
@@ -153,17 +180,20 @@ def test_copies_of_one_key_at_the_end_of_the_order_still_get_one_batch_each():
     z1, z2 = pairs(64, 4)
     z1[56:], z2[56:] = z1[56], z2[56]  # identical copies: RCM puts them side by side
     batches = gcbs_batches(z1, z2, 8, quantile=0.9, keys=keys)
-    assert len(batches.unique()) == 64 and all(len({keys[i] for i in b}) == 8 for b in batches.tolist())
+    assert len(batches.unique()) == 64 and all(
+        len({keys[i] for i in b}) == 8 for b in batches.tolist()
+    )
 
 
 def one_key_per_batch_exists(keys, batch_size):
-    """Independent check by maximum flow: source → key (its count) → batch (1 per key) → sink (batch size)."""
+    """Independent check by maximum flow: source → key (its count) → batch (1 per key) → sink (batch
+    size)."""
     distinct, batches = sorted(set(keys)), len(keys) // batch_size
     k = len(distinct)
     capacity = np.zeros((k + batches + 2, k + batches + 2), np.int32)
-    capacity[0, 1:k + 1] = [keys.count(key) for key in distinct]
-    capacity[1:k + 1, k + 1:k + batches + 1] = 1
-    capacity[k + 1:k + batches + 1, -1] = batch_size
+    capacity[0, 1 : k + 1] = [keys.count(key) for key in distinct]
+    capacity[1 : k + 1, k + 1 : k + batches + 1] = 1
+    capacity[k + 1 : k + batches + 1, -1] = batch_size
     return maximum_flow(csr_matrix(capacity), 0, k + batches + 1).flow_value == batches * batch_size
 
 
@@ -193,14 +223,20 @@ def test_keys_must_be_one_per_item():
 
 # ---------------------------------------------------------------------------------- loss gap
 
+
 def test_loss_gap_equals_global_minus_in_batch_cross_entropy_in_float64():
     z1, z2 = pairs(50, 6, clusters=3, seed=3)
-    order, batch_size = torch.randperm(50, generator=torch.Generator().manual_seed(0)), 8  # the last batch: 2
+    # the last batch: 2
+    order, batch_size = torch.randperm(50, generator=torch.Generator().manual_seed(0)), 8
     logits = F.normalize(z1.double(), dim=1) @ F.normalize(z2.double(), dim=1).T / TAU
     global_loss = F.cross_entropy(logits, torch.arange(50), reduction="sum")
-    train_loss = sum(F.cross_entropy(logits[b][:, b], torch.arange(len(b)), reduction="sum")
-                     for b in order.split(batch_size))
-    assert loss_gap(z1, z2, order, batch_size, TAU) == pytest.approx(float(global_loss - train_loss) / 50, rel=1e-12)
+    train_loss = sum(
+        F.cross_entropy(logits[b][:, b], torch.arange(len(b)), reduction="sum")
+        for b in order.split(batch_size)
+    )
+    assert loss_gap(z1, z2, order, batch_size, TAU) == pytest.approx(
+        float(global_loss - train_loss) / 50, rel=1e-12
+    )
     assert loss_gap(z1, z2, order, 50, TAU) == pytest.approx(0, abs=1e-12)
 
 
@@ -209,24 +245,38 @@ def test_loss_gap_of_planned_batches_is_the_gap_over_their_items(monkeypatch):
     batches = gcbs_batches(z1, z2, 20, quantile=0.98)
     items = batches.flatten()
     logits = F.normalize(z1[items].double(), dim=1) @ F.normalize(z2[items].double(), dim=1).T / TAU
-    terms = [logits[i].logsumexp(0) - logits[i, b].logsumexp(0) for b in torch.arange(200).view(10, 20) for i in b]
+    terms = [
+        logits[i].logsumexp(0) - logits[i, b].logsumexp(0)
+        for b in torch.arange(200).view(10, 20)
+        for i in b
+    ]
     gap = loss_gap(z1[items], z2[items], torch.arange(200), 20, TAU)
     assert gap == pytest.approx(float(torch.stack(terms).mean()), rel=1e-12)
     monkeypatch.setattr(gcbs, "BLOCK_ELEMENTS", 1)  # one row at a time
-    assert loss_gap(z1[items], z2[items], torch.arange(200), 20, TAU) == pytest.approx(gap, rel=1e-12)
+    assert loss_gap(z1[items], z2[items], torch.arange(200), 20, TAU) == pytest.approx(
+        gap, rel=1e-12
+    )
 
 
 # -------------------------------------------------------------------------------- bad inputs
 
-@pytest.mark.parametrize("z1, z2, message", [
-    (torch.randn(10, 4), torch.randn(9, 4), "same shape"),
-    (torch.randn(0, 4), torch.randn(0, 4), "empty"),
-    (torch.randn(10), torch.randn(10), "2-D"),
-    (np.zeros((10, 4)), np.zeros((10, 4)), "2-D"),
-    (torch.full((10, 4), float("nan")), torch.randn(10, 4), "NaN"),
-    (torch.randn(10, 4), torch.randn(10, 4).index_fill_(0, torch.tensor([3]), float("inf")), "NaN or inf"),
-    (torch.randn(1, 4), torch.randn(1, 4), "at least 2 items"),
-])
+
+@pytest.mark.parametrize(
+    "z1, z2, message",
+    [
+        (torch.randn(10, 4), torch.randn(9, 4), "same shape"),
+        (torch.randn(0, 4), torch.randn(0, 4), "empty"),
+        (torch.randn(10), torch.randn(10), "2-D"),
+        (np.zeros((10, 4)), np.zeros((10, 4)), "2-D"),
+        (torch.full((10, 4), float("nan")), torch.randn(10, 4), "NaN"),
+        (
+            torch.randn(10, 4),
+            torch.randn(10, 4).index_fill_(0, torch.tensor([3]), float("inf")),
+            "NaN or inf",
+        ),
+        (torch.randn(1, 4), torch.randn(1, 4), "at least 2 items"),
+    ],
+)
 def test_bad_embeddings_give_clear_errors(z1, z2, message):
     with pytest.raises(ValueError, match=message):
         gcbs_permutation(z1, z2)
@@ -241,16 +291,21 @@ def test_quantile_outside_the_open_unit_interval_is_refused(quantile):
         gcbs_permutation(torch.randn(10, 4), torch.randn(10, 4), quantile)
 
 
-@pytest.mark.parametrize("order, batch_size, temperature, message", [
-    (torch.arange(10), 16, TAU, "N smaller than a batch"),
-    (torch.arange(10), 0, TAU, "batch_size must be an int in"),
-    (torch.arange(10), 5.0, TAU, "batch_size must be an int in"),
-    (torch.zeros(10, dtype=torch.long), 5, TAU, "permutation"),
-    (torch.arange(10) + 0.3, 5, TAU, "order must hold integer indices"),
-    (torch.arange(9), 5, TAU, "permutation"),
-    (torch.arange(10), 5, 0.0, "temperature must be positive"),
-])
-def test_loss_gap_refuses_bad_orders_batch_sizes_and_temperatures(order, batch_size, temperature, message):
+@pytest.mark.parametrize(
+    "order, batch_size, temperature, message",
+    [
+        (torch.arange(10), 16, TAU, "N smaller than a batch"),
+        (torch.arange(10), 0, TAU, "batch_size must be an int in"),
+        (torch.arange(10), 5.0, TAU, "batch_size must be an int in"),
+        (torch.zeros(10, dtype=torch.long), 5, TAU, "permutation"),
+        (torch.arange(10) + 0.3, 5, TAU, "order must hold integer indices"),
+        (torch.arange(9), 5, TAU, "permutation"),
+        (torch.arange(10), 5, 0.0, "temperature must be positive"),
+    ],
+)
+def test_loss_gap_refuses_bad_orders_batch_sizes_and_temperatures(
+    order, batch_size, temperature, message
+):
     with pytest.raises(ValueError, match=message):
         loss_gap(torch.randn(10, 4), torch.randn(10, 4), order, batch_size, temperature)
 

@@ -1,4 +1,6 @@
-"""The prepared GPU check (tools/gpu_check.py) keeps running: its cheap checks, CPU-sized, print a passing table."""
+"""The prepared GPU check (tools/gpu_check.py) keeps running: its cheap checks, CPU-sized, print a
+passing table."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -8,9 +10,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_gpu_check_runs_its_cheap_checks_on_the_cpu():
     checks = ["dropout", "bf16", "gcbs", "nccl"]
-    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick", "--only", *checks],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick", "--only", *checks],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert table[0] == "| check | result | measured | limit |"
-    assert len(table) == 1 + 2 + 1 + 2 + 1 and all(line.split(" | ")[1] in ("pass", "info") for line in table[1:])
+    assert len(table) == 1 + 2 + 1 + 2 + 1 and all(
+        line.split(" | ")[1] in ("pass", "info") for line in table[1:]
+    )

@@ -1,4 +1,6 @@
-"""Specification of GradCache: `cached_loss(...).backward()` gives the full-batch gradients, whatever the chunks."""
+"""Specification of GradCache: `cached_loss(...).backward()` gives the full-batch gradients,
+whatever the chunks."""
+
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,12 +30,21 @@ class Setup:
     params: list
 
     def encoder_list(self):
-        return self.encoders if isinstance(self.encoders, list) else [self.encoders] * len(self.batches)
+        return (
+            self.encoders
+            if isinstance(self.encoders, list)
+            else [self.encoders] * len(self.batches)
+        )
 
     def full_batch_loss(self, chunk_size=None):
-        """The plain loss with a graph over the whole batch (optionally encoded chunk by chunk, same masks)."""
-        return self.loss_fn(*[encode_in_chunks(encoder, batch, chunk_size or gradcache.batch_length(batch))
-                              for encoder, batch in zip(self.encoder_list(), self.batches)])
+        """The plain loss with a graph over the whole batch (optionally encoded chunk by chunk, same
+        masks)."""
+        return self.loss_fn(
+            *[
+                encode_in_chunks(encoder, batch, chunk_size or gradcache.batch_length(batch))
+                for encoder, batch in zip(self.encoder_list(), self.batches)
+            ]
+        )
 
     def grads_of(self, loss):
         for p in self.params:
@@ -44,12 +55,22 @@ class Setup:
 
 def make_setup(variant="plain", shared=False, dtype=torch.float64, dropout=0.0, seed=0):
     torch.manual_seed(seed)
-    make = partial(TinyTextEncoder, vocab_size=VOCAB, dim=16, heads=2, layers=2, max_length=LENGTH,
-                   dropout=dropout)
+    make = partial(
+        TinyTextEncoder,
+        vocab_size=VOCAB,
+        dim=16,
+        heads=2,
+        layers=2,
+        max_length=LENGTH,
+        dropout=dropout,
+    )
     encoders = make().to(dtype) if shared else [make().to(dtype), make().to(dtype)]
     generator = torch.Generator().manual_seed(seed + 1)
     n_docs = 3 * BATCH if variant == "hard_negatives" else BATCH
-    batches = [random_token_batch(BATCH, LENGTH, VOCAB, generator), random_token_batch(n_docs, LENGTH, VOCAB, generator)]
+    batches = [
+        random_token_batch(BATCH, LENGTH, VOCAB, generator),
+        random_token_batch(n_docs, LENGTH, VOCAB, generator),
+    ]
     scale = LogitScale().to(dtype)
     loss_fn = {
         "plain": partial(info_nce, scale=20.0),
@@ -66,7 +87,9 @@ def max_relative_error(grads, reference):
     return max(relative_error(g, r) for g, r in zip(grads, reference))
 
 
-# ---- equivalence with the full batch -------------------------------------------------------------------------
+# ---- equivalence with the full batch
+# -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
 @pytest.mark.parametrize("shared", [False, True], ids=["two_encoders", "shared_encoder"])
@@ -81,8 +104,12 @@ def test_gradients_equal_the_full_batch_gradients(dtype, variant, shared, chunk_
 
 def test_the_loss_value_equals_the_full_batch_loss():
     setup = make_setup("symmetric")
-    torch.testing.assert_close(cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4),
-                               setup.full_batch_loss(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(
+        cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4),
+        setup.full_batch_loss(),
+        rtol=1e-13,
+        atol=0,
+    )
 
 
 def test_a_learnable_logit_scale_gets_its_full_batch_gradient():
@@ -93,7 +120,9 @@ def test_a_learnable_logit_scale_gets_its_full_batch_gradient():
     assert reference.abs() > 0 and relative_error(grad, reference) <= 1e-12
 
 
-# ---- dropout replay ------------------------------------------------------------------------------------------
+# ---- dropout replay
+# ------------------------------------------------------------------------------------------
+
 
 def record_outputs(encoders):
     """Forward hooks that record every encoder output, in call order."""
@@ -107,8 +136,8 @@ def record_outputs(encoders):
 
 
 def first_pass_and_replays(setup, chunk_size):
-    """Run cached_loss and its backward; return the recorded first-pass outputs and the replays, one per chunk,
-    in chunk order."""
+    """Run cached_loss and its backward; return the recorded first-pass outputs and the replays, one
+    per chunk, in chunk order."""
     calls, handles = record_outputs(setup.encoder_list())
     setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, chunk_size))
     for handle in handles:
@@ -206,7 +235,9 @@ def test_the_replays_in_backward_do_not_rewind_the_global_random_stream():
     assert torch.equal(before, expected_before) and torch.equal(after, expected_after)
 
 
-# ---- autograd behaviour ------------------------------------------------------------------------------------
+# ---- autograd behaviour
+# ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("scale", [1 / 2, 1 / 4, 2.0**16])
 def test_scaling_the_loss_scales_every_gradient(scale):
@@ -231,8 +262,10 @@ def test_two_forwards_then_one_backward_give_the_sum_of_the_gradients():
     second.encoders, second.params = first.encoders, first.params  # same model, another batch
     grads_first = first.grads_of(cached_loss(first.loss_fn, first.encoders, first.batches, 4))
     grads_second = first.grads_of(cached_loss(first.loss_fn, first.encoders, second.batches, 4))
-    both = first.grads_of(cached_loss(first.loss_fn, first.encoders, first.batches, 4)
-                          + cached_loss(first.loss_fn, first.encoders, second.batches, 4))
+    both = first.grads_of(
+        cached_loss(first.loss_fn, first.encoders, first.batches, 4)
+        + cached_loss(first.loss_fn, first.encoders, second.batches, 4)
+    )
     assert max_relative_error(both, [a + b for a, b in zip(grads_first, grads_second)]) <= 1e-12
 
 
@@ -258,7 +291,9 @@ def test_backward_twice_with_retain_graph_doubles_the_gradients_as_the_full_batc
     assert max_relative_error([p.grad for p in setup.params], [2 * g for g in once]) <= 1e-12
 
 
-# ---- mixed precision -----------------------------------------------------------------------------------------
+# ---- mixed precision
+# -----------------------------------------------------------------------------------------
+
 
 def bf16_setup():
     return make_setup("symmetric", dtype=torch.float32, dropout=0.1)
@@ -278,12 +313,17 @@ def test_bf16_autocast_replays_bitwise_and_matches_a_bf16_full_batch():
     [h.remove() for h in handles]
     first, replays = calls[:4], calls[4:]
     assert all(torch.equal(f, r) for f, r in zip(first, replays))
-    assert max_relative_error(grads, reference) <= tolerance(torch.bfloat16)  # ~2.4e-3; ~9e-3 without the replay
+    # ~2.4e-3; ~9e-3 without the replay
+    assert max_relative_error(grads, reference) <= tolerance(torch.bfloat16)
     torch.manual_seed(7)  # negative control: the same masks without autocast give other embeddings
-    assert not torch.equal(setup.encoder_list()[0](gradcache.slice_batch(setup.batches[0], 0, 4)), first[0])
+    assert not torch.equal(
+        setup.encoder_list()[0](gradcache.slice_batch(setup.batches[0], 0, 4)), first[0]
+    )
 
 
-# ---- bad input -------------------------------------------------------------------------------------------------
+# ---- bad input
+# -------------------------------------------------------------------------------------------------
+
 
 def test_an_empty_batch_is_refused():
     setup = make_setup()
@@ -362,17 +402,24 @@ def test_batchnorm_in_training_mode_is_refused_and_in_eval_mode_accepted():
 
 
 def test_outputs_that_are_not_batch_first_are_refused():
-    with pytest.raises(ValueError, match=r"returned torch.Size\(\[3, 2\]\), not one row per input row"):
+    with pytest.raises(
+        ValueError, match=r"returned torch.Size\(\[3, 2\]\), not one row per input row"
+    ):
         cached_loss(info_nce, lambda x: x.T, [torch.randn(2, 3), torch.randn(2, 3)], 2)
     with pytest.raises(ValueError, match="returned <class 'tuple'>, not one row per input row"):
         cached_loss(info_nce, lambda x: (x, x), [torch.randn(2, 3), torch.randn(2, 3)], 2)
 
 
-# ---- what a call holds, and how often it encodes --------------------------------------------------------------
+# ---- what a call holds, and how often it encodes
+# --------------------------------------------------------------
+
 
 def count_calls(encoders):
     calls = []
-    handles = [e.register_forward_hook(lambda module, args, output: calls.append(1)) for e in dict.fromkeys(encoders)]
+    handles = [
+        e.register_forward_hook(lambda module, args, output: calls.append(1))
+        for e in dict.fromkeys(encoders)
+    ]
     return calls, handles
 
 
@@ -390,7 +437,9 @@ def test_every_chunk_is_encoded_once_and_replayed_once(chunk_size, chunks):
 def test_until_its_backward_a_call_holds_no_encoder_graph():
     setup = make_setup()
     outputs = []
-    handle = setup.encoders[1].register_forward_hook(lambda module, args, output: outputs.append(output))
+    handle = setup.encoders[1].register_forward_hook(
+        lambda module, args, output: outputs.append(output)
+    )
     loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
     handle.remove()
     assert loss.requires_grad and not any(output.requires_grad for output in outputs)
@@ -408,21 +457,30 @@ def test_the_random_stream_after_a_step_is_where_the_same_mask_reference_leaves_
 
 @pytest.fixture
 def one_rank_group(tmp_path):
-    """A gloo process group of one rank in this process: DDP's reducer and all-reduce run as on many ranks."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    """A gloo process group of one rank in this process: DDP's reducer and all-reduce run as on many
+    ranks."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
 
 def counted_ddp(encoder):
-    """`encoder` in DistributedDataParallel with a communication hook that counts the gradient all-reduces."""
+    """`encoder` in DistributedDataParallel with a communication hook that counts the gradient
+    all-reduces."""
     ddp, counts = DistributedDataParallel(encoder), []
-    ddp.register_comm_hook(counts, lambda counts, bucket: (counts.append(1), allreduce_hook(None, bucket))[1])
+    ddp.register_comm_hook(
+        counts, lambda counts, bucket: (counts.append(1), allreduce_hook(None, bucket))[1]
+    )
     return ddp, counts
 
 
-@pytest.mark.parametrize("shared, chunk_size", [(True, 4), (True, BATCH), (False, 4), (False, BATCH)],
-                         ids=["shared_4", "shared_batch", "two_encoders_4", "two_encoders_batch"])
+@pytest.mark.parametrize(
+    "shared, chunk_size",
+    [(True, 4), (True, BATCH), (False, 4), (False, BATCH)],
+    ids=["shared_4", "shared_batch", "two_encoders_4", "two_encoders_batch"],
+)
 def test_ddp_runs_one_allreduce_per_module_per_call(one_rank_group, shared, chunk_size):
     setup = make_setup("symmetric", shared, dropout=0.1)
     torch.manual_seed(5)

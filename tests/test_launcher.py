@@ -1,11 +1,13 @@
-"""gcbs_lib.distributed.launch: rank 0's result back, the ranks' output echoed, a failing or stalled rank surfaced
-with its traceback, nothing left running. The targets are functions of this module (children import it by name)."""
+"""gcbs_lib.distributed.launch: rank 0's result back, the ranks' output echoed, a failing or stalled
+rank surfaced with its traceback, nothing left running. The targets are functions of this module
+(children import it by name)."""
+
 import time
 
 import pytest
 import torch.distributed as dist
-
 from conftest import child_command_lines
+
 from gcbs_lib.distributed import LaunchError, launch, rank_and_world_size
 
 
@@ -16,7 +18,8 @@ def say_hello() -> tuple[int, int]:
 
 
 def misbehave(how: str) -> None:
-    """Rank 1 raises (how="raise") or never arrives (how="stall") while the others wait for it in a barrier."""
+    """Rank 1 raises (how="raise") or never arrives (how="stall") while the others wait for it in a
+    barrier."""
     if rank_and_world_size()[0] == 1:
         if how == "raise":
             raise RuntimeError("rank 1 failed on purpose")
@@ -25,16 +28,21 @@ def misbehave(how: str) -> None:
 
 
 def ranks_left() -> list[list[str]]:
-    """The command lines of this process's running children but multiprocessing's resource tracker (it lives as
-    long as this process)."""
-    return [command for command in child_command_lines() if "resource_tracker" not in " ".join(command)]
+    """The command lines of this process's running children but multiprocessing's resource tracker
+    (it lives as long as this process)."""
+    return [
+        command for command in child_command_lines() if "resource_tracker" not in " ".join(command)
+    ]
 
 
 def test_launch_returns_rank_zeros_result_and_echoes_every_ranks_output(capsys):
     assert launch(say_hello, nproc=3) == (0, 3)
     printed = capsys.readouterr().out
     assert all(f"[rank {r}] hello from rank {r}" in printed for r in range(3))
-    assert launch(f"{__name__}:say_hello", nproc=2, echo=False) == (0, 2) and capsys.readouterr().out == ""
+    assert (
+        launch(f"{__name__}:say_hello", nproc=2, echo=False) == (0, 2)
+        and capsys.readouterr().out == ""
+    )
 
 
 def test_a_rank_that_raises_is_named_with_its_traceback_and_leaves_no_process():
@@ -43,7 +51,9 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_leaves_no_process():
         launch(misbehave, nproc=2, args={"how": "raise"}, echo=False)
     assert time.time() - start < 60
     assert failure.value.rank == 1
-    assert "Traceback" in str(failure.value) and "RuntimeError: rank 1 failed on purpose" in str(failure.value)
+    assert "Traceback" in str(failure.value) and "RuntimeError: rank 1 failed on purpose" in str(
+        failure.value
+    )
     assert ranks_left() == []
 
 

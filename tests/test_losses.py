@@ -1,4 +1,5 @@
 """Specification of the contrastive losses against explicit, loop-by-loop computations."""
+
 import math
 
 import pytest
@@ -75,14 +76,24 @@ def test_logit_scale_receives_the_gradient_of_the_loss():
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_the_mean_of_the_rank_shares_is_info_nce_over_the_gathered_batch(hard_negatives, symmetric):
     world_size, per_rank = 3, 4
-    queries, docs = torch.randn(world_size * per_rank, 8), torch.randn(world_size * per_rank * (1 + hard_negatives), 8)
-    shares = [rank_info_nce(queries, docs, 5.0, symmetric, rank=r, world_size=world_size) for r in range(world_size)]
-    torch.testing.assert_close(torch.stack(shares).mean(), info_nce(queries, docs, 5.0, symmetric), rtol=1e-14, atol=0)
+    queries, docs = (
+        torch.randn(world_size * per_rank, 8),
+        torch.randn(world_size * per_rank * (1 + hard_negatives), 8),
+    )
+    shares = [
+        rank_info_nce(queries, docs, 5.0, symmetric, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
+    torch.testing.assert_close(
+        torch.stack(shares).mean(), info_nce(queries, docs, 5.0, symmetric), rtol=1e-14, atol=0
+    )
 
 
 def test_outside_a_process_group_the_rank_share_is_the_whole_loss():
     queries, docs = torch.randn(4, 8), torch.randn(8, 8)
-    assert torch.equal(rank_info_nce(queries, docs, symmetric=True), info_nce(queries, docs, symmetric=True))
+    assert torch.equal(
+        rank_info_nce(queries, docs, symmetric=True), info_nce(queries, docs, symmetric=True)
+    )
 
 
 def test_a_gathered_batch_that_does_not_split_over_the_ranks_is_refused():

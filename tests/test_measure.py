@@ -1,4 +1,6 @@
-"""Specification of the memory probes: the rise of the resident set over a step, by either CPU measure."""
+"""Specification of the memory probes: the rise of the resident set over a step, by either CPU
+measure."""
+
 import numpy as np
 import pytest
 import torch
@@ -18,16 +20,22 @@ def test_a_step_that_fills_256_mib_rises_by_about_256_mib(method):
 
 
 @pytest.mark.parametrize("method, counted", [("sampled_rss", True), ("sampled_anonymous", False)])
-def test_a_memory_mapped_file_read_in_counts_in_the_resident_set_but_not_in_the_anonymous_one(tmp_path, method,
-                                                                                                counted):
+def test_a_memory_mapped_file_read_in_counts_in_the_resident_set_but_not_in_the_anonymous_one(
+    tmp_path, method, counted
+):
     np.ones(32 * MiB, dtype=np.float32).tofile(tmp_path / "ones")  # 128 MiB on disk
-    rise = memory_rise(lambda: np.memmap(tmp_path / "ones", dtype=np.float32, mode="r").sum(), method)
+    rise = memory_rise(
+        lambda: np.memmap(tmp_path / "ones", dtype=np.float32, mode="r").sum(), method
+    )
     assert (rise > 100 * MiB) == counted and rise < 160 * MiB
 
 
 def probe(method, batch_size):
-    """The memory rise of one `contrastive_step`, measured in a fresh process as notebook 01 does on CPU."""
-    return fresh_process_bytes(["-m", "gcbs_lib.measure", method, str(batch_size), "16"], method) / MiB
+    """The memory rise of one `contrastive_step`, measured in a fresh process as notebook 01 does on
+    CPU."""
+    return (
+        fresh_process_bytes(["-m", "gcbs_lib.measure", method, str(batch_size), "16"], method) / MiB
+    )
 
 
 def test_plain_memory_grows_with_the_batch_and_gradcache_stays_small():

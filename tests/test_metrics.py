@@ -1,22 +1,29 @@
 """Specification of the retrieval and correlation metrics (hand-computed values, scipy, ties)."""
+
 import numpy as np
 import pytest
 import scipy.stats
 import torch
 
-from gcbs_lib.metrics import knn_accuracy, median_rank, mrr, ranks, recall_at, retrieval_ranks, spearman
+from gcbs_lib.metrics import (
+    knn_accuracy,
+    median_rank,
+    mrr,
+    ranks,
+    recall_at,
+    retrieval_ranks,
+    spearman,
+)
 
 
 def test_rank_counts_candidates_scoring_higher_plus_one():
-    scores = torch.tensor([[0.1, 0.9, 0.5, 0.3],
-                           [0.8, 0.2, 0.4, 0.6]])
+    scores = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.8, 0.2, 0.4, 0.6]])
     # query 0's match (col 2, 0.5) is beaten by 0.9 only; query 1's (col 1, 0.2) by all three others
     assert ranks(scores, torch.tensor([2, 1])).tolist() == [2, 4]
 
 
 def test_a_candidate_tying_the_match_counts_above_it():
-    scores = torch.tensor([[0.5, 0.5, 0.5, 0.1],
-                           [0.7, 0.7, 0.2, 0.7]])
+    scores = torch.tensor([[0.5, 0.5, 0.5, 0.1], [0.7, 0.7, 0.2, 0.7]])
     assert ranks(scores, torch.tensor([0, 1])).tolist() == [3, 3]
     constant = torch.zeros(3, 5)
     assert ranks(constant, torch.tensor([0, 2, 4])).tolist() == [5, 5, 5]
@@ -46,9 +53,14 @@ def test_mrr_counts_ranks_beyond_the_cutoff_as_zero():
 
 
 def test_mrr_matches_unixcoder_loop_on_distinct_scores():
-    # UniXcoder's run.py: sort descending, walk the first `cutoff` entries, 1/position of the match else 0.
+    # UniXcoder's run.py: sort descending, walk the first `cutoff` entries, 1/position of the match
+    # else 0.
     g = torch.Generator().manual_seed(0)
-    scores, positive, cutoff = torch.rand(50, 300, generator=g), torch.randint(0, 300, (50,), generator=g), 100
+    scores, positive, cutoff = (
+        torch.rand(50, 300, generator=g),
+        torch.randint(0, 300, (50,), generator=g),
+        100,
+    )
     reference = []
     for row, p in zip(scores.numpy(), positive.tolist()):
         order = np.argsort(row)[::-1][:cutoff].tolist()
@@ -58,7 +70,8 @@ def test_mrr_matches_unixcoder_loop_on_distinct_scores():
 
 def test_retrieval_ranks_equal_ranks_of_the_full_matrix_for_every_block_size():
     g = torch.Generator().manual_seed(1)
-    queries = torch.randint(-2, 3, (13, 4), generator=g).double()  # small integers: exact dot products, ties
+    # small integers: exact dot products, ties
+    queries = torch.randint(-2, 3, (13, 4), generator=g).double()
     pool = torch.randint(-2, 3, (29, 4), generator=g).double()
     positive = torch.randint(0, 29, (13,), generator=g)
     full = ranks(queries @ pool.T, positive)
@@ -68,26 +81,39 @@ def test_retrieval_ranks_equal_ranks_of_the_full_matrix_for_every_block_size():
 
 
 def test_retrieval_ranks_count_a_pool_duplicate_of_the_match_above_it():
-    pool = torch.nn.functional.normalize(torch.randn(6, 8, generator=torch.Generator().manual_seed(2)), dim=1)
-    pool = torch.cat([pool, pool[3:4]])            # row 6 duplicates row 3
+    pool = torch.nn.functional.normalize(
+        torch.randn(6, 8, generator=torch.Generator().manual_seed(2)), dim=1
+    )
+    pool = torch.cat([pool, pool[3:4]])  # row 6 duplicates row 3
     assert retrieval_ranks(pool[3:4], pool, torch.tensor([3])).tolist() == [2]
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: ranks(torch.rand(2, 3), torch.tensor([0, 3])), "lie in"),
-    (lambda: ranks(torch.rand(2, 3), torch.tensor([-1, 0])), "lie in"),
-    (lambda: ranks(torch.rand(2, 3), torch.tensor([0])), "one entry per query"),
-    (lambda: ranks(torch.rand(2, 3), torch.tensor([0.0, 1.0])), "integer"),
-    (lambda: ranks(torch.rand(3), torch.tensor([0])), "2-D"),
-    (lambda: ranks(torch.tensor([[0.1, float("nan")]]), torch.tensor([0])), "NaN"),
-    (lambda: retrieval_ranks(torch.rand(2, 3), torch.rand(4, 5), torch.tensor([0, 1])), "same width"),
-    (lambda: retrieval_ranks(torch.rand(2, 3), torch.rand(4, 3), torch.tensor([0, 1]), block_size=0), "block"),
-    (lambda: mrr([]), "non-empty"),
-    (lambda: mrr([0, 1]), ">= 1"),
-    (lambda: mrr([1, 2], cutoff=0), "cutoff"),
-    (lambda: recall_at([1, 2], 0), "k must"),
-    (lambda: median_rank([1.5]), "integers"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: ranks(torch.rand(2, 3), torch.tensor([0, 3])), "lie in"),
+        (lambda: ranks(torch.rand(2, 3), torch.tensor([-1, 0])), "lie in"),
+        (lambda: ranks(torch.rand(2, 3), torch.tensor([0])), "one entry per query"),
+        (lambda: ranks(torch.rand(2, 3), torch.tensor([0.0, 1.0])), "integer"),
+        (lambda: ranks(torch.rand(3), torch.tensor([0])), "2-D"),
+        (lambda: ranks(torch.tensor([[0.1, float("nan")]]), torch.tensor([0])), "NaN"),
+        (
+            lambda: retrieval_ranks(torch.rand(2, 3), torch.rand(4, 5), torch.tensor([0, 1])),
+            "same width",
+        ),
+        (
+            lambda: retrieval_ranks(
+                torch.rand(2, 3), torch.rand(4, 3), torch.tensor([0, 1]), block_size=0
+            ),
+            "block",
+        ),
+        (lambda: mrr([]), "non-empty"),
+        (lambda: mrr([0, 1]), ">= 1"),
+        (lambda: mrr([1, 2], cutoff=0), "cutoff"),
+        (lambda: recall_at([1, 2], 0), "k must"),
+        (lambda: median_rank([1.5]), "integers"),
+    ],
+)
 def test_bad_input_gets_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -104,19 +130,22 @@ def test_spearman_by_hand_with_ties():
 @pytest.mark.parametrize("seed", range(5))
 def test_spearman_equals_scipy_including_ties(seed):
     rng = np.random.default_rng(seed)
-    x = rng.integers(0, 6, size=40).astype(float)        # many ties
+    x = rng.integers(0, 6, size=40).astype(float)  # many ties
     y = x + rng.integers(0, 3, size=40) + rng.normal(size=40).round(1)
     assert spearman(x, y) == pytest.approx(scipy.stats.spearmanr(x, y).statistic, abs=1e-12)
     assert spearman(torch.tensor(x), torch.tensor(y)) == spearman(x, y)
 
 
-@pytest.mark.parametrize("x, y, message", [
-    ([1, 2, 3], [1, 2], "equally long"),
-    ([1], [1], "at least 2"),
-    ([1, float("nan")], [1, 2], "finite"),
-    ([1, 1, 1], [1, 2, 3], "constant"),
-    (["a", "b"], [1, 2], "could not convert string to float"),
-])
+@pytest.mark.parametrize(
+    "x, y, message",
+    [
+        ([1, 2, 3], [1, 2], "equally long"),
+        ([1], [1], "at least 2"),
+        ([1, float("nan")], [1, 2], "finite"),
+        ([1, 1, 1], [1, 2, 3], "constant"),
+        (["a", "b"], [1, 2], "could not convert string to float"),
+    ],
+)
 def test_spearman_refuses_bad_input(x, y, message):
     with pytest.raises(ValueError, match=message):
         spearman(x, y)
@@ -124,8 +153,19 @@ def test_spearman_refuses_bad_input(x, y, message):
 
 def knn_label(query, bank, bank_labels, k, temperature=1.0):
     """The class `knn_accuracy` predicts for one query: the label it scores as correct."""
-    hits = [c for c in range(4) if knn_accuracy(torch.tensor([query]), torch.tensor([c]), torch.tensor(bank),
-                                                torch.tensor(bank_labels), k=k, temperature=temperature) == 1.0]
+    hits = [
+        c
+        for c in range(4)
+        if knn_accuracy(
+            torch.tensor([query]),
+            torch.tensor([c]),
+            torch.tensor(bank),
+            torch.tensor(bank_labels),
+            k=k,
+            temperature=temperature,
+        )
+        == 1.0
+    ]
     assert len(hits) == 1
     return hits[0]
 
@@ -139,9 +179,12 @@ def test_knn_votes_weigh_each_neighbour_by_exp_cosine_over_tau():
 
 def test_knn_ties_take_the_lower_bank_index_then_the_smaller_class():
     bank, labels = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [-1.0, 0.0]], [2, 1, 1, 0]
-    assert knn_label([1.0, 0.0], bank, labels, k=1) == 2          # rows 0 and 2 tie at cos 1: row 0 first
-    assert knn_label([1.0, 0.0], bank, labels, k=2) == 1          # e^1 for class 2 and for class 1: smaller class
-    assert knn_label([1.0, 0.0], bank, labels, k=3) == 1          # row 1 (cos 0) adds e^0 to class 1
+    # rows 0 and 2 tie at cos 1: row 0 first
+    assert knn_label([1.0, 0.0], bank, labels, k=1) == 2
+    # e^1 for class 2 and for class 1: smaller class
+    assert knn_label([1.0, 0.0], bank, labels, k=2) == 1
+    # row 1 (cos 0) adds e^0 to class 1
+    assert knn_label([1.0, 0.0], bank, labels, k=3) == 1
 
 
 def test_knn_accuracy_counts_correct_queries_in_blocks():
@@ -150,19 +193,37 @@ def test_knn_accuracy_counts_correct_queries_in_blocks():
     bank_labels = torch.randint(0, 3, (50,))
     queries = bank[:20] + 0.01 * torch.randn(20, 8)
     whole = knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=1)
-    assert whole == 1.0 and knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=1, block_size=3) == 1.0
-    shuffled = knn_accuracy(queries, (bank_labels[:20] + 1) % 3, bank, bank_labels, k=1, block_size=7)
+    assert (
+        whole == 1.0
+        and knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=1, block_size=3) == 1.0
+    )
+    shuffled = knn_accuracy(
+        queries, (bank_labels[:20] + 1) % 3, bank, bank_labels, k=1, block_size=7
+    )
     assert shuffled == 0.0
     with pytest.raises(ValueError, match="k must lie in 1..50"):
         knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=51)
 
 
-@pytest.mark.parametrize("features, labels, bank_labels, message", [
-    (torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), torch.tensor([0, 1]), "no features to score"),
-    (torch.ones(1, 2), torch.tensor([0.0]), torch.tensor([0, 1]), "class indices"),
-    (torch.ones(1, 2), torch.tensor([0]), torch.tensor([0, -1]), "class indices"),
-    (torch.tensor([[float("nan"), 1.0]]), torch.tensor([0]), torch.tensor([0, 1]), "not finite"),
-])
+@pytest.mark.parametrize(
+    "features, labels, bank_labels, message",
+    [
+        (
+            torch.zeros(0, 2),
+            torch.zeros(0, dtype=torch.long),
+            torch.tensor([0, 1]),
+            "no features to score",
+        ),
+        (torch.ones(1, 2), torch.tensor([0.0]), torch.tensor([0, 1]), "class indices"),
+        (torch.ones(1, 2), torch.tensor([0]), torch.tensor([0, -1]), "class indices"),
+        (
+            torch.tensor([[float("nan"), 1.0]]),
+            torch.tensor([0]),
+            torch.tensor([0, 1]),
+            "not finite",
+        ),
+    ],
+)
 def test_knn_accuracy_refuses_bad_input(features, labels, bank_labels, message):
     with pytest.raises(ValueError, match=message):
         knn_accuracy(features, labels, torch.eye(2), bank_labels, k=1)

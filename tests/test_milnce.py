@@ -1,4 +1,6 @@
-"""Specification of MIL-NCE (`gcbs_lib.losses.mil_nce`) against cross-entropy, the official code and loops."""
+"""Specification of MIL-NCE (`gcbs_lib.losses.mil_nce`) against cross-entropy, the official code and
+loops."""
+
 import math
 
 import pytest
@@ -15,8 +17,10 @@ pytestmark = pytest.mark.usefixtures("float64_default")
 
 def embeddings(b, n, d=6, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, d, generator=generator).requires_grad_(),
-            torch.randn(n, d, generator=generator).requires_grad_())
+    return (
+        torch.randn(b, d, generator=generator).requires_grad_(),
+        torch.randn(n, d, generator=generator).requires_grad_(),
+    )
 
 
 def disjoint_bags(b, k):
@@ -26,19 +30,26 @@ def disjoint_bags(b, k):
 def reference(video, text, bag_idx, temperature, direction, exclude_idx=None):
     """ℓ_i written as a loop over the sums of the definition."""
     s = video @ text.T / temperature
-    excluded = {(i, j) for i, row in enumerate(exclude_idx.tolist()) for j in row if j >= 0} if exclude_idx is not None else set()
+    excluded = (
+        {(i, j) for i, row in enumerate(exclude_idx.tolist()) for j in row if j >= 0}
+        if exclude_idx is not None
+        else set()
+    )
     losses = []
     for i, row in enumerate(bag_idx.tolist()):
         bag = [j for j in row if j >= 0]
         terms = [s[i, j] for j in range(len(text)) if (i, j) not in excluded]
         if direction == "both":
             terms += [s[k, j] for k in range(len(video)) for j in bag if (k, j) not in excluded]
-        losses.append(torch.stack(terms).logsumexp(0) - torch.stack([s[i, j] for j in bag]).logsumexp(0))
+        losses.append(
+            torch.stack(terms).logsumexp(0) - torch.stack([s[i, j] for j in bag]).logsumexp(0)
+        )
     return torch.stack(losses)
 
 
 def official_milnce(video, text):
-    """The official MIL-NCE loss (antoine77340/MIL-NCE_HowTo100M, loss.py): B clips, B·K captions, bag i = rows i·K…"""
+    """The official MIL-NCE loss (antoine77340/MIL-NCE_HowTo100M, loss.py): B clips, B·K captions,
+    bag i = rows i·K…"""
     x = (video @ text.T).view(video.shape[0], video.shape[0], -1)
     nominator = (x * torch.eye(x.shape[0])[:, :, None]).sum(dim=1).logsumexp(dim=1)
     denominator = torch.cat((x, x.permute(1, 0, 2)), dim=1).view(x.shape[0], -1).logsumexp(dim=1)
@@ -49,42 +60,64 @@ def test_k1_v2t_is_cross_entropy_over_scores_over_temperature():
     video, text = embeddings(5, 5)
     s = video @ text.T / 0.1
     expected = F.cross_entropy(s, torch.arange(5))
-    torch.testing.assert_close(mil_nce(video, text, disjoint_bags(5, 1), 0.1, "v2t"), expected, rtol=1e-14, atol=0)
+    torch.testing.assert_close(
+        mil_nce(video, text, disjoint_bags(5, 1), 0.1, "v2t"), expected, rtol=1e-14, atol=0
+    )
 
 
 def test_k1_both_is_cross_entropy_over_scores_beside_their_transpose():
     video, text = embeddings(5, 5)
     s = video @ text.T / 0.1
     expected = F.cross_entropy(torch.cat([s, s.T], dim=1), torch.arange(5))
-    torch.testing.assert_close(mil_nce(video, text, disjoint_bags(5, 1), 0.1, "both"), expected, rtol=1e-14, atol=0)
+    torch.testing.assert_close(
+        mil_nce(video, text, disjoint_bags(5, 1), 0.1, "both"), expected, rtol=1e-14, atol=0
+    )
 
 
 def test_both_equals_the_official_code_on_disjoint_bags_of_k():
     video, text = embeddings(4, 12)
-    torch.testing.assert_close(mil_nce(video, text, disjoint_bags(4, 3), 1.0, "both"), official_milnce(video, text),
-                               rtol=1e-14, atol=0)
+    torch.testing.assert_close(
+        mil_nce(video, text, disjoint_bags(4, 3), 1.0, "both"),
+        official_milnce(video, text),
+        rtol=1e-14,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("direction", ["v2t", "both"])
 def test_a_bag_of_k_identical_captions_equals_k1(direction):
     video, text = embeddings(4, 4)
     repeated = text.repeat_interleave(3, dim=0)
-    torch.testing.assert_close(mil_nce(video, repeated, disjoint_bags(4, 3), 0.5, direction),
-                               mil_nce(video, text, disjoint_bags(4, 1), 0.5, direction), rtol=1e-13, atol=0)
+    torch.testing.assert_close(
+        mil_nce(video, repeated, disjoint_bags(4, 3), 0.5, direction),
+        mil_nce(video, text, disjoint_bags(4, 1), 0.5, direction),
+        rtol=1e-13,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("direction", ["v2t", "both"])
 def test_permuting_captions_within_a_bag_padding_included_changes_nothing(direction):
     video, text = embeddings(3, 9)
     bags = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1], [5, 6, 7, 8]])
-    permuted = torch.stack([row[torch.randperm(4, generator=torch.Generator().manual_seed(i))]
-                            for i, row in enumerate(bags)])
+    permuted = torch.stack(
+        [
+            row[torch.randperm(4, generator=torch.Generator().manual_seed(i))]
+            for i, row in enumerate(bags)
+        ]
+    )
     assert not torch.equal(permuted, bags)
-    torch.testing.assert_close(mil_nce(video, text, permuted, 0.3, direction, reduction="none"),
-                               mil_nce(video, text, bags, 0.3, direction, reduction="none"), rtol=1e-14, atol=0)
+    torch.testing.assert_close(
+        mil_nce(video, text, permuted, 0.3, direction, reduction="none"),
+        mil_nce(video, text, bags, 0.3, direction, reduction="none"),
+        rtol=1e-14,
+        atol=0,
+    )
 
 
-@pytest.mark.parametrize("direction, expected", [("v2t", lambda b: math.log(b)), ("both", lambda b: math.log(2 * b))])
+@pytest.mark.parametrize(
+    "direction, expected", [("v2t", lambda b: math.log(b)), ("both", lambda b: math.log(2 * b))]
+)
 def test_all_equal_scores_give_log_b_and_log_2b(direction, expected):
     b, k = 6, 4
     video, text = torch.ones(b, 3), torch.ones(b * k, 3)
@@ -95,11 +128,16 @@ def test_all_equal_scores_give_log_b_and_log_2b(direction, expected):
 @pytest.mark.parametrize("direction", ["v2t", "both"])
 def test_ragged_shared_bags_and_exclusions_follow_the_definition(direction):
     video, text = embeddings(4, 10)
-    bags = torch.tensor([[0, 1, -1], [1, 2, 3], [4, -1, -1], [6, 7, 8]])  # caption 1 in two bags, 5 and 9 in none
+    # caption 1 in two bags, 5 and 9 in none
+    bags = torch.tensor([[0, 1, -1], [1, 2, 3], [4, -1, -1], [6, 7, 8]])
     exclude = torch.tensor([[9, 2], [0, -1], [-1, -1], [5, 4]])
     for ex in (None, exclude):
-        torch.testing.assert_close(mil_nce(video, text, bags, 0.5, direction, reduction="none", exclude_idx=ex),
-                                   reference(video, text, bags, 0.5, direction, ex), rtol=1e-13, atol=0)
+        torch.testing.assert_close(
+            mil_nce(video, text, bags, 0.5, direction, reduction="none", exclude_idx=ex),
+            reference(video, text, bags, 0.5, direction, ex),
+            rtol=1e-13,
+            atol=0,
+        )
 
 
 @pytest.mark.parametrize("direction", ["v2t", "both"])
@@ -126,7 +164,9 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.largest = max([self.largest] + [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+        self.largest = max(
+            [self.largest] + [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        )
         return out
 
 
@@ -140,7 +180,8 @@ def test_the_chunked_denominator_holds_nothing_larger_than_a_block_or_the_captio
             mil_nce(video, text, disjoint_bags(b, k), 0.1, direction, chunk_size).backward()
         sizes[name] = probe.largest
     assert sizes["full"] >= b * b * k
-    assert sizes["chunked"] <= max(chunk * chunk, b * k * d) < b * k * chunk  # not even one N × chunk block
+    # not even one N × chunk block
+    assert sizes["chunked"] <= max(chunk * chunk, b * k * d) < b * k * chunk
 
 
 def test_out_of_range_bag_indices_are_refused():
@@ -173,7 +214,11 @@ def test_nan_embeddings_and_bad_settings_are_refused():
         mil_nce(video, text.detach().index_fill(0, torch.tensor([2]), float("nan")), bags)
     with pytest.raises(ValueError, match="NaN or inf"):
         mil_nce(video.detach().index_fill(0, torch.tensor([0]), float("inf")), text, bags)
-    for kwargs, message in [({"temperature": 0.0}, "temperature"), ({"direction": "t2v"}, "direction"),
-                            ({"chunk_size": 0}, "chunk_size"), ({"reduction": "sum"}, "reduction")]:
+    for kwargs, message in [
+        ({"temperature": 0.0}, "temperature"),
+        ({"direction": "t2v"}, "direction"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"reduction": "sum"}, "reduction"),
+    ]:
         with pytest.raises(ValueError, match=message):
             mil_nce(video, text, bags, **kwargs)

@@ -1,4 +1,6 @@
-"""Specification of the `milnce` experiment: DDP gives the full-batch gradient; bags help on misaligned data."""
+"""Specification of the `milnce` experiment: DDP gives the full-batch gradient; bags help on
+misaligned data."""
+
 import pytest
 import torch
 
@@ -8,9 +10,16 @@ from gcbs_lib.experiments.milnce import MilNce, MilNceOptions, gradient_check
 from gcbs_lib.seeding import generator
 from gcbs_lib.train import load_config, train
 
-
-TINY = {"planted_videos": 5, "planted_sigma": 3.0, "bag_size": 3, "embed_dim": 8, "word_dim": 8, "hidden_dim": 8,
-        "vocab_size": 64, "eval_fraction": 0.2}
+TINY = {
+    "planted_videos": 5,
+    "planted_sigma": 3.0,
+    "bag_size": 3,
+    "embed_dim": 8,
+    "word_dim": 8,
+    "hidden_dim": 8,
+    "vocab_size": 64,
+    "eval_fraction": 0.2,
+}
 
 
 def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
@@ -18,19 +27,30 @@ def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
     single = gradient_check(options, batch_size=16)
     experiment = MilNce(MilNceOptions(**options), seed=0, device="cpu")
     experiment.load_data()
-    order = torch.randperm(len(experiment.bags["clip_video"]), generator=generator(0, 0, "shuffle"))[:16]
-    halves = [experiment.collate(order[r * 8:(r + 1) * 8].tolist()).extra for r in range(2)]
+    order = torch.randperm(
+        len(experiment.bags["clip_video"]), generator=generator(0, 0, "shuffle")
+    )[:16]
+    halves = [experiment.collate(order[r * 8 : (r + 1) * 8].tolist()).extra for r in range(2)]
     shared = set(halves[0]["caption_ids"].tolist()) & set(halves[1]["caption_ids"].tolist())
-    assert shared and any((h["exclude_ids"] >= 0).any() for h in halves)  # cross-rank duplicates and exclusions occur
-    ddp = launch(gradient_check, nproc=2, args={"options": options, "batch_size": 16, "chunk_size": 3}, echo=False)
+    # cross-rank duplicates and exclusions occur
+    assert shared and any((h["exclude_ids"] >= 0).any() for h in halves)
+    ddp = launch(
+        gradient_check,
+        nproc=2,
+        args={"options": options, "batch_size": 16, "chunk_size": 3},
+        echo=False,
+    )
     assert ddp["rank_difference"] == 0.0
     assert ddp["loss"] == pytest.approx(single["loss"], rel=1e-13)
     assert relative_error(torch.tensor(ddp["grad"]), torch.tensor(single["grad"])) < 1e-12
 
 
 def planted_r10(tmp_path, sigma, bag_size):
-    config = load_config("milnce", "ci", {"data_dir": str(tmp_path / f"sigma{sigma}"), "planted_sigma": sigma,
-                                          "bag_size": bag_size})
+    config = load_config(
+        "milnce",
+        "ci",
+        {"data_dir": str(tmp_path / f"sigma{sigma}"), "planted_sigma": sigma, "bag_size": bag_size},
+    )
     return train(config, tmp_path / f"run-{sigma}-{bag_size}")["test"]["r10"]
 
 

@@ -1,28 +1,42 @@
-"""Specification of the MoCo experiment: the queue is a ring buffer, the momentum encoder follows the query
-encoder by an exact moving average after each optimizer step and gets no gradients, the views are seeded and
-reproducible, split BatchNorm and the shuffled key batch keep a query and its key apart, a few steps lower the
-loss, both arms train through gcbs_lib.train and a crashed run resumes its queue bitwise. Runs on planted
-images written as Fashion-MNIST IDX files."""
+"""Specification of the MoCo experiment: the queue is a ring buffer, the momentum encoder follows
+the query encoder by an exact moving average after each optimizer step and gets no gradients, the
+views are seeded and reproducible, split BatchNorm and the shuffled key batch keep a query and its
+key apart, a few steps lower the loss, both arms train through gcbs_lib.train and a crashed run
+resumes its queue bitwise. Runs on planted images written as Fashion-MNIST IDX files."""
+
 import copy
 
 import numpy as np
 import pytest
 import torch
+from test_data_images import write_idx
 
 from gcbs_lib.experiments import get
 from gcbs_lib.experiments.moco import MoCo, MoCoModel, RandomViews, SplitBatchNorm2d
 from gcbs_lib.seeding import stream_seed
 from gcbs_lib.train import load_checkpoint, load_config, train
-from test_data_images import write_idx
 
-TINY = {"data": "fashion-mnist", "dev_size": 16, "width": 4, "stages": 2, "dim": 8, "queue_size": 32,
-        "batch_size": 16, "epochs": 2, "lr": 3e-3, "knn_k": 10, "embed_batch_size": 64, "eval_batch_size": 64,
-        "log_loss_gap": True}
+TINY = {
+    "data": "fashion-mnist",
+    "dev_size": 16,
+    "width": 4,
+    "stages": 2,
+    "dim": 8,
+    "queue_size": 32,
+    "batch_size": 16,
+    "epochs": 2,
+    "lr": 3e-3,
+    "knn_k": 10,
+    "embed_batch_size": 64,
+    "eval_batch_size": 64,
+    "log_loss_gap": True,
+}
 
 
 @pytest.fixture(scope="module")
 def image_root(tmp_path_factory):
-    """80 training and 20 test 28×28 images of 4 classes (a bright square in a class-specific quadrant)."""
+    """80 training and 20 test 28×28 images of 4 classes (a bright square in a class-specific
+    quadrant)."""
     root = tmp_path_factory.mktemp("data")
     folder = root / "images" / "fashion-mnist"
     folder.mkdir(parents=True)
@@ -32,7 +46,7 @@ def image_root(tmp_path_factory):
         images = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
         for i, c in enumerate(labels):
             r, k = 14 * (c // 2) + 2, 14 * (c % 2) + 2
-            images[i, r:r + 10, k:k + 10] = 250
+            images[i, r : r + 10, k : k + 10] = 250
         write_idx(images, folder / f"{prefix}-images-idx3-ubyte.gz")
         write_idx(labels.astype(np.uint8), folder / f"{prefix}-labels-idx1-ubyte.gz")
     return root
@@ -95,8 +109,10 @@ def test_views_are_seeded_reproducible_and_replayable():
     again, other = views(x), views(x)
     assert torch.equal(first, again) and not torch.equal(first, other)
     params = views.sample(4, torch.Generator().manual_seed(1))
-    assert torch.equal(views(x, params), views.eval()(x, params))  # explicit params: the same in eval mode
-    assert torch.equal(views(x), (x / 255 - views.mean) / views.std)  # eval mode without params: normalise only
+    # explicit params: the same in eval mode
+    assert torch.equal(views(x, params), views.eval()(x, params))
+    # eval mode without params: normalise only
+    assert torch.equal(views(x), (x / 255 - views.mean) / views.std)
 
 
 def test_a_full_crop_is_the_image_and_a_flipped_full_crop_its_mirror():
@@ -119,7 +135,9 @@ def test_a_few_steps_against_a_fixed_queue_lower_the_loss(image_root):
 
     def step_loss() -> torch.Tensor:
         torch.manual_seed(0)  # the same views every time
-        loss = experiment.loss([model.query(batch.inputs[0]), model.key(batch.inputs[1])], batch, config.scale)
+        loss = experiment.loss(
+            [model.query(batch.inputs[0]), model.key(batch.inputs[1])], batch, config.scale
+        )
         model.queue.copy_(queue)
         return loss
 
@@ -134,17 +152,27 @@ def test_a_few_steps_against_a_fixed_queue_lower_the_loss(image_root):
     assert losses[-1] < losses[0]
 
 
-def test_both_arms_train_through_the_trainer_and_the_hook_updates_the_key_encoder(image_root, tmp_path):
+def test_both_arms_train_through_the_trainer_and_the_hook_updates_the_key_encoder(
+    image_root, tmp_path
+):
     summaries = {}
     for sampler in ("random", "gcbs"):
-        config = load_config("moco", "ci", {**TINY, "data_root": str(image_root), "sampler": sampler})
+        config = load_config(
+            "moco", "ci", {**TINY, "data_root": str(image_root), "sampler": sampler}
+        )
         summaries[sampler] = train(config, tmp_path / sampler)
     for summary in summaries.values():
-        assert summary["steps"] == 8 and len(summary["epochs"]) == 2 and "loss_gap" in summary["epochs"][0]
+        assert (
+            summary["steps"] == 8
+            and len(summary["epochs"]) == 2
+            and "loss_gap" in summary["epochs"][0]
+        )
         assert {r["metric"] for r in summary["rows"]} == {"test_knn_accuracy", "dev_knn_accuracy"}
         assert summary["rows"][0]["data"] == "fashion-mnist-not-cifar10"
     # one step from the initial model: the key encoder moved by exactly one moving-average update
-    config = load_config("moco", "ci", {**TINY, "data_root": str(image_root), "max_steps": 1, "dtype": "float64"})
+    config = load_config(
+        "moco", "ci", {**TINY, "data_root": str(image_root), "max_steps": 1, "dtype": "float64"}
+    )
     train(config, tmp_path / "one-step")
     state = load_checkpoint(tmp_path / "one-step" / "checkpoint.pt")["model"]
     experiment, _, _ = experiment_and_model(image_root)
@@ -156,9 +184,12 @@ def test_both_arms_train_through_the_trainer_and_the_hook_updates_the_key_encode
         torch.testing.assert_close(state[f"key.{name}"], expected, rtol=1e-12, atol=1e-14)
 
 
-def test_a_crashed_run_resumes_the_queue_and_ends_bitwise_as_an_uninterrupted_one(image_root, tmp_path, monkeypatch):
-    """Checkpoints every 3 steps; a crash in step 5 leaves the step-3 checkpoint, whose queue already holds
-    trained keys: the rerun must restore it (and its pointer), not start from the random initial queue."""
+def test_a_crashed_run_resumes_the_queue_and_ends_bitwise_as_an_uninterrupted_one(
+    image_root, tmp_path, monkeypatch
+):
+    """Checkpoints every 3 steps; a crash in step 5 leaves the step-3 checkpoint, whose queue
+    already holds trained keys: the rerun must restore it (and its pointer), not start from the
+    random initial queue."""
     settings = {**TINY, "data_root": str(image_root), "sampler": "gcbs", "checkpoint_every": 3}
     train(load_config("moco", "ci", settings), tmp_path / "whole")
     original, steps = MoCo.after_step, []
@@ -178,12 +209,16 @@ def test_a_crashed_run_resumes_the_queue_and_ends_bitwise_as_an_uninterrupted_on
     assert not torch.equal(at_crash["model"]["queue"], initial.queue)
     monkeypatch.setattr(MoCo, "after_step", original)
     train(load_config("moco", "ci", settings), tmp_path / "resumed")
-    a, b = (load_checkpoint(tmp_path / run / "checkpoint.pt")["model"] for run in ("whole", "resumed"))
+    a, b = (
+        load_checkpoint(tmp_path / run / "checkpoint.pt")["model"] for run in ("whole", "resumed")
+    )
     assert a.keys() == b.keys() and {"queue", "queue_ptr"} <= set(a)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_split_batchnorm_is_batchnorm_per_group_and_eval_uses_the_mean_running_stats(float64_default):
+def test_split_batchnorm_is_batchnorm_per_group_and_eval_uses_the_mean_running_stats(
+    float64_default,
+):
     split, plain = SplitBatchNorm2d(3, splits=4), torch.nn.BatchNorm2d(3)
     with torch.no_grad():
         split.weight.uniform_(0.5, 2), split.bias.normal_()
@@ -195,7 +230,9 @@ def test_split_batchnorm_is_batchnorm_per_group_and_eval_uses_the_mean_running_s
         expected[g::4] = bn(x[g::4])
     torch.testing.assert_close(split(x), expected, rtol=1e-12, atol=1e-12)
     for name in ("running_mean", "running_var"):
-        torch.testing.assert_close(getattr(split, name), torch.stack([getattr(bn, name) for bn in groups]).mean(0))
+        torch.testing.assert_close(
+            getattr(split, name), torch.stack([getattr(bn, name) for bn in groups]).mean(0)
+        )
     plain.running_mean.copy_(split.running_mean), plain.running_var.copy_(split.running_var)
     torch.testing.assert_close(split.eval()(x), plain.eval()(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="bn_splits=4 must divide the batch"):
@@ -203,9 +240,10 @@ def test_split_batchnorm_is_batchnorm_per_group_and_eval_uses_the_mean_running_s
 
 
 def test_the_key_branch_normalises_each_positive_key_with_other_images_than_its_query():
-    """Plain BatchNorm would give query i and key i the statistics of the same images. The key branch encodes the
-    batch in a shuffled order (drawn after its views from the step's stream) and unshuffles the keys, so key i
-    sits in a split of other images than query i; the keys are those of the shuffled batch, put back in order."""
+    """Plain BatchNorm would give query i and key i the statistics of the same images. The key
+    branch encodes the batch in a shuffled order (drawn after its views from the step's stream) and
+    unshuffles the keys, so key i sits in a split of other images than query i; the keys are those
+    of the shuffled batch, put back in order."""
     model = MoCoModel(1, 4, 1, 1, dim=8, queue_size=64, views=RandomViews(1), bn_splits=4).train()
     x = torch.randint(0, 256, (32, 1, 28, 28), dtype=torch.uint8)
     torch.manual_seed(7)
@@ -217,14 +255,18 @@ def test_the_key_branch_normalises_each_positive_key_with_other_images_than_its_
     torch.testing.assert_close(keys, model.key(x[order], params[order])[order.argsort()])
     query_split, key_split = torch.arange(32) % 4, order.argsort() % 4
     key_split_members = [set(order[g::4].tolist()) for g in range(4)]
-    assert all(key_split_members[key_split[i]] != set(range(q, 32, 4)) for i, q in enumerate(query_split))
+    assert all(
+        key_split_members[key_split[i]] != set(range(q, 32, 4)) for i, q in enumerate(query_split)
+    )
     assert (key_split != query_split).float().mean() > 0.5 and not torch.allclose(keys, unshuffled)
 
 
 def test_bad_options_are_refused(image_root):
-    for overrides, message in (({"dev_size": -1}, "dev_size >= 0"),
-                               ({"momentum": 1.0}, r"momentum in \[0, 1\)"),
-                               ({"bn_splits": 0}, "bn_splits must be a positive integer")):
+    for overrides, message in (
+        ({"dev_size": -1}, "dev_size >= 0"),
+        ({"momentum": 1.0}, r"momentum in \[0, 1\)"),
+        ({"bn_splits": 0}, "bn_splits must be a positive integer"),
+    ):
         with pytest.raises(ValueError, match=message):
             experiment_and_model(image_root, **overrides)
     experiment, model, config = experiment_and_model(image_root, bn_splits=3)

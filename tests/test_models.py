@@ -1,4 +1,6 @@
-"""Specification of the text encoders: the hashing tokenizer, and the Hugging Face adapter on the local MiniLM."""
+"""Specification of the text encoders: the hashing tokenizer, and the Hugging Face adapter on the
+local MiniLM."""
+
 import os
 
 import pytest
@@ -24,7 +26,9 @@ def test_hashing_tokenizer_is_stable_pads_with_zero_and_gives_empty_texts_one_to
     assert batch["input_ids"][0, :3].tolist() == HashingTokenizer(50, 4).ids("hello , WORLD")
     assert batch["input_ids"][1].tolist() == [1, 0, 0, 0]
     assert batch["attention_mask"].sum(1).tolist() == [3, 1, 4]
-    assert ((batch["input_ids"] >= 2) | (batch["input_ids"] <= 1)).all() and batch["input_ids"].max() < 50
+    assert ((batch["input_ids"] >= 2) | (batch["input_ids"] <= 1)).all() and batch[
+        "input_ids"
+    ].max() < 50
 
 
 def test_the_tiny_encoder_embeds_texts_to_unit_vectors():
@@ -44,7 +48,9 @@ def test_mean_pooling_equals_sentence_transformers_on_the_local_minilm(minilm_pa
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_cls_mlp_train_pools_cls_through_an_mlp_while_training_and_the_raw_cls_state_in_eval(minilm_path):
+def test_cls_mlp_train_pools_cls_through_an_mlp_while_training_and_the_raw_cls_state_in_eval(
+    minilm_path,
+):
     encoder = HFEncoder(minilm_path, pooling="cls_mlp_train", max_length=32).eval()
     batch = encoder.tokenize(TEXTS)
     with torch.no_grad():
@@ -55,7 +61,10 @@ def test_cls_mlp_train_pools_cls_through_an_mlp_while_training_and_the_raw_cls_s
         torch.manual_seed(0)
         cls_state = encoder.backbone(**batch).last_hidden_state[:, 0]  # the same dropout masks
         torch.testing.assert_close(trained, F.normalize(encoder.mlp(cls_state), dim=-1))
-    assert [n for n, _ in encoder.named_parameters() if n.startswith("mlp.")] == ["mlp.0.weight", "mlp.0.bias"]
+    assert [n for n, _ in encoder.named_parameters() if n.startswith("mlp.")] == [
+        "mlp.0.weight",
+        "mlp.0.bias",
+    ]
 
 
 def test_a_mode_token_prefix_is_one_vocabulary_id_laid_out_as_unixcoder_does(minilm_path):
@@ -65,9 +74,17 @@ def test_a_mode_token_prefix_is_one_vocabulary_id_laid_out_as_unixcoder_does(min
     tokenizer = encoder.tokenizer
     mode = tokenizer.convert_tokens_to_ids("[unused0]")
     body = tokenizer(long_text, add_special_tokens=False)["input_ids"][: 16 - 4]
-    assert batch["input_ids"][0].tolist() == [tokenizer.cls_token_id, mode, tokenizer.sep_token_id, *body,
-                                              tokenizer.sep_token_id]
-    assert batch["attention_mask"].sum(1).tolist() == [16, 5] and batch["input_ids"].shape == (2, 16)
+    assert batch["input_ids"][0].tolist() == [
+        tokenizer.cls_token_id,
+        mode,
+        tokenizer.sep_token_id,
+        *body,
+        tokenizer.sep_token_id,
+    ]
+    assert batch["attention_mask"].sum(1).tolist() == [16, 5] and batch["input_ids"].shape == (
+        2,
+        16,
+    )
     assert HFEncoder(minilm_path, max_length=5).tokenize([long_text])["input_ids"].shape == (1, 5)
 
 
@@ -90,4 +107,5 @@ def test_unknown_pooling_is_refused(minilm_path):
 
 def test_the_unused_pooler_carries_no_weights(minilm_path):
     names = [n for n, _ in HFEncoder(minilm_path, pooling="mean").named_parameters()]
-    assert names and not any("pooler" in n for n in names)  # DDP would wait forever for their gradients
+    # DDP would wait forever for their gradients
+    assert names and not any("pooler" in n for n in names)

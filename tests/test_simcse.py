@@ -1,5 +1,6 @@
-"""Specification of the SimCSE experiment, trained through `gcbs_lib.train` on small planted files in the real
-formats (wiki1m, SentEval)."""
+"""Specification of the SimCSE experiment, trained through `gcbs_lib.train` on small planted files
+in the real formats (wiki1m, SentEval)."""
+
 import random
 
 import pytest
@@ -34,22 +35,39 @@ def paper_root(tmp_path_factory):
         folder.mkdir(parents=True)
         for name in names:
             pairs = scored_pairs(rng, 4)
-            (folder / f"STS.input.{name}.txt").write_text("".join(f"{a}\t{b}\n" for a, b, _ in pairs))
+            (folder / f"STS.input.{name}.txt").write_text(
+                "".join(f"{a}\t{b}\n" for a, b, _ in pairs)
+            )
             (folder / f"STS.gs.{name}.txt").write_text("".join(f"{s}\n" for _, _, s in pairs))
     (senteval / "STSBenchmark").mkdir()
     for split in ("dev", "test"):
-        rows = [f"genre\tfile\tyear\t{i}\t{s}\t{a}\t{b}\n" for i, (a, b, s) in enumerate(scored_pairs(rng))]
+        rows = [
+            f"genre\tfile\tyear\t{i}\t{s}\t{a}\t{b}\n"
+            for i, (a, b, s) in enumerate(scored_pairs(rng))
+        ]
         (senteval / "STSBenchmark" / f"sts-{split}.csv").write_text("".join(rows))
     (senteval / "SICK").mkdir()
     rows = [f"{i}\t{a}\t{b}\t{s}\tNEUTRAL\n" for i, (a, b, s) in enumerate(scored_pairs(rng))]
-    (senteval / "SICK" / "SICK_test_annotated.txt").write_text("pair_ID\tA\tB\tscore\tlabel\n" + "".join(rows))
+    (senteval / "SICK" / "SICK_test_annotated.txt").write_text(
+        "pair_ID\tA\tB\tscore\tlabel\n" + "".join(rows)
+    )
     (sts / "wiki1m_for_simcse.txt").write_text("".join(sentence(rng) + "\n" for _ in range(48)))
     return root
 
 
 def tiny_config(experiment, root, **overrides):
-    settings = dict(data="paper", data_root=str(root), encoder="tiny-bert", batch_size=8, epochs=1, max_steps=2,
-                    lr=1e-3, eval_max_length=16, progress=False, log_loss_gap=False)
+    settings = dict(
+        data="paper",
+        data_root=str(root),
+        encoder="tiny-bert",
+        batch_size=8,
+        epochs=1,
+        max_steps=2,
+        lr=1e-3,
+        eval_max_length=16,
+        progress=False,
+        log_loss_gap=False,
+    )
     return load_config(experiment, "ci", {**settings, **overrides})
 
 
@@ -100,17 +118,27 @@ def test_evaluation_is_the_spearman_rho_of_pair_cosines(paper_root):
         first, second, gold = exp.tasks["test"]["STSBenchmark"]
         tokens = [exp.encoder.tokenize([t], exp.options.eval_max_length) for t in first + second]
         embedded = torch.cat([model(t) for t in tokens])
-    cosines = F.cosine_similarity(embedded[:len(first)], embedded[len(first):], dim=-1)
-    assert scores["spearman_STSBenchmark"] == pytest.approx(scipy.stats.spearmanr(cosines, gold)[0], abs=1e-6)
+    cosines = F.cosine_similarity(embedded[: len(first)], embedded[len(first) :], dim=-1)
+    assert scores["spearman_STSBenchmark"] == pytest.approx(
+        scipy.stats.spearmanr(cosines, gold)[0], abs=1e-6
+    )
     assert set(scores) == {"spearman", *(f"spearman_{task}" for task in TASKS)}
-    assert scores["spearman"] == pytest.approx(sum(scores[f"spearman_{t}"] for t in TASKS) / len(TASKS))
+    assert scores["spearman"] == pytest.approx(
+        sum(scores[f"spearman_{t}"] for t in TASKS) / len(TASKS)
+    )
 
 
 @pytest.mark.parametrize("sampler", ["random", "gcbs"])
-def test_simcse_trains_through_the_training_loop_and_writes_result_rows(paper_root, tmp_path, sampler):
+def test_simcse_trains_through_the_training_loop_and_writes_result_rows(
+    paper_root, tmp_path, sampler
+):
     summary = train(tiny_config("simcse", paper_root, sampler=sampler, log_loss_gap=True), tmp_path)
     assert summary["steps"] == 2 and {r["arm"] for r in summary["rows"]} == {sampler}
-    assert {r["metric"] for r in summary["rows"]} >= {"test_spearman", "dev_spearman", "test_spearman_STS12"}
+    assert {r["metric"] for r in summary["rows"]} >= {
+        "test_spearman",
+        "dev_spearman",
+        "test_spearman_STS12",
+    }
     assert all(r["data"] == "paper" and r["experiment"] == "simcse" for r in summary["rows"])
     assert "loss_gap" in summary["epochs"][0]
 
@@ -124,5 +152,10 @@ def test_missing_paper_files_say_where_to_get_them(tmp_path):
 
 def test_the_profile_carries_the_papers_recipe():
     simcse = load_config("simcse", "paper")
-    assert (simcse.lr, simcse.batch_size, simcse.scale, simcse.options.max_length) == (3e-5, 64, 20.0, 32)
+    assert (simcse.lr, simcse.batch_size, simcse.scale, simcse.options.max_length) == (
+        3e-5,
+        64,
+        20.0,
+        32,
+    )
     assert simcse.options.pooling == "cls_mlp_train"

@@ -1,8 +1,11 @@
-"""Specification of the training loop: typed configs, CLI errors, atomic checkpoints, bitwise resume after SIGKILL,
-the NaN stop, 2 gloo processes = 1 process and the rank-sync check. Runs the code-search experiment with the tiny
-encoder on planted pairs written in CodeSearchNet's jsonl layout (the `data_root` fixture)."""
+"""Specification of the training loop: typed configs, CLI errors, atomic checkpoints, bitwise resume
+after SIGKILL, the NaN stop, 2 gloo processes = 1 process and the rank-sync check. Runs the
+code-search experiment with the tiny encoder on planted pairs written in CodeSearchNet's jsonl
+layout (the `data_root` fixture)."""
+
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -15,20 +18,35 @@ import torch
 import torch.distributed as dist
 
 import gcbs_lib.train
+from gcbs_lib.data import write_atomic
 from gcbs_lib.distributed import LaunchError, launch
 from gcbs_lib.experiments.codesearch import CodeSearch
-from gcbs_lib.data import write_atomic
 from gcbs_lib.train import TrainingDiverged, launched, load_checkpoint, load_config, main, train
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
+}
 
 
 def settings(data_root, **overrides):
     """A CI-sized codesearch run on the planted data (strings, as --set passes them)."""
-    values = {"data": "csn", "data_root": str(data_root), "batch_size": 16, "epochs": 2, "lr": 1e-3,
-              "query_length": 16, "code_length": 24, "tiny_dim": 16, "tiny_layers": 1, "embed_batch_size": 64,
-              "progress": False, **overrides}
+    values = {
+        "data": "csn",
+        "data_root": str(data_root),
+        "batch_size": 16,
+        "epochs": 2,
+        "lr": 1e-3,
+        "query_length": 16,
+        "code_length": 24,
+        "tiny_dim": 16,
+        "tiny_layers": 1,
+        "embed_batch_size": 64,
+        "progress": False,
+        **overrides,
+    }
     return {k: str(v) for k, v in values.items()}
 
 
@@ -37,69 +55,142 @@ def records(output_dir, kind="step") -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-# ---- config ------------------------------------------------------------------------------------------------
+# ---- config
+# ------------------------------------------------------------------------------------------------
+
 
 def test_overrides_are_typed_by_the_config_field_they_set(data_root):
-    config = load_config("codesearch", "ci", settings(data_root, lr="3e-5", chunk_size=8, max_steps="none",
-                                                       learnable_scale="true", eval_limit=10, prefix="none"))
-    assert (config.lr, config.chunk_size, config.max_steps, config.learnable_scale) == (3e-5, 8, None, True)
+    config = load_config(
+        "codesearch",
+        "ci",
+        settings(
+            data_root,
+            lr="3e-5",
+            chunk_size=8,
+            max_steps="none",
+            learnable_scale="true",
+            eval_limit=10,
+            prefix="none",
+        ),
+    )
+    assert (config.lr, config.chunk_size, config.max_steps, config.learnable_scale) == (
+        3e-5,
+        8,
+        None,
+        True,
+    )
     assert isinstance(config.options, CodeSearch.Options) and config.options.eval_limit == 10
     assert config.options.prefix is None and config.options.data == "csn"
-    assert config.profile == "ci" and config.options.encoder == "tiny"  # the ci profile's value kept
+    # the ci profile's value kept
+    assert config.profile == "ci" and config.options.encoder == "tiny"
 
 
-@pytest.mark.parametrize("name, kind, momentum", [("adamw", torch.optim.AdamW, None), ("sgd", torch.optim.SGD, 0.9)])
+@pytest.mark.parametrize(
+    "name, kind, momentum", [("adamw", torch.optim.AdamW, None), ("sgd", torch.optim.SGD, 0.9)]
+)
 def test_the_optimizer_is_adamw_or_sgd_with_momentum_0_9(tmp_path, data_root, name, kind, momentum):
-    config = load_config("codesearch", "ci", settings(data_root, optimizer=name, weight_decay=5e-4, lr=0.06))
+    config = load_config(
+        "codesearch", "ci", settings(data_root, optimizer=name, weight_decay=5e-4, lr=0.06)
+    )
     optimizer = gcbs_lib.train.Trainer(config, tmp_path / "run").optimizer
     group = optimizer.param_groups[0]
-    assert (type(optimizer), group.get("momentum"), group["weight_decay"], group["lr"]) == (kind, momentum, 5e-4, 0.06)
+    assert (type(optimizer), group.get("momentum"), group["weight_decay"], group["lr"]) == (
+        kind,
+        momentum,
+        5e-4,
+        0.06,
+    )
 
 
 def test_the_paper_profiles_follow_the_original_recipes_and_ci_keeps_adamw():
-    moco = load_config("moco", "paper")  # the MoCo CIFAR-10 demo: τ = 0.1, SGD, lr 0.06 at batch 512, wd 5e-4
-    assert (moco.scale, moco.optimizer, moco.lr, moco.batch_size, moco.weight_decay) == (10.0, "sgd", 0.06, 512, 5e-4)
+    # the MoCo CIFAR-10 demo: τ = 0.1, SGD, lr 0.06 at batch 512, wd 5e-4
+    moco = load_config("moco", "paper")
+    assert (moco.scale, moco.optimizer, moco.lr, moco.batch_size, moco.weight_decay) == (
+        10.0,
+        "sgd",
+        0.06,
+        512,
+        5e-4,
+    )
     assert load_config("moco", "ci").optimizer == load_config("moco", "cpu").optimizer == "adamw"
     milnce = load_config("milnce", "paper")  # official MIL-NCE: batch 256, warmup then cosine
     assert (milnce.batch_size, milnce.schedule, milnce.warmup_steps > 0) == (256, "cosine", True)
     advtest, csn = load_config("codesearch", "paper-advtest"), load_config("codesearch", "paper")
-    assert (advtest.options.data, advtest.epochs, csn.options.data, csn.epochs) == ("advtest", 2, "csn", 10)
-    assert {k: v for k, v in vars(advtest).items() if k not in ("epochs", "options", "profile")} == \
-        {k: v for k, v in vars(csn).items() if k not in ("epochs", "options", "profile")}
+    assert (advtest.options.data, advtest.epochs, csn.options.data, csn.epochs) == (
+        "advtest",
+        2,
+        "csn",
+        10,
+    )
+    assert {
+        k: v for k, v in vars(advtest).items() if k not in ("epochs", "options", "profile")
+    } == {k: v for k, v in vars(csn).items() if k not in ("epochs", "options", "profile")}
 
 
-@pytest.mark.parametrize("overrides, error, match", [
-    ({"learning_rate": "1e-3"}, KeyError, "unknown config key 'learning_rate'; training keys: arm, batch_size"),
-    ({"bf16": "true"}, KeyError, "unknown config key 'bf16'"),
-    ({"batch_size": "sixty-four"}, ValueError, "batch_size must be int, got 'sixty-four'"),
-    ({"batch_size": "6.5"}, ValueError, "batch_size must be int"),
-    ({"max_steps": "many"}, ValueError, r"max_steps must be int \| None"),
-    ({"lr": "fast"}, ValueError, "lr must be float"),
-    ({"sampler": "hard"}, ValueError, r"sampler must be Literal\['random', 'gcbs', 'hard_negatives'\], got 'hard'"),
-    ({"learnable_scale": "maybe"}, ValueError, "learnable_scale must be bool"),
-    ({"batch_size": "0", "lr": "-1"}, ValueError, "batch_size, lr must be positive"),
-    ({"clip_norm": "-1", "scale": "0"}, ValueError, "clip_norm, scale must be positive"),
-])
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (
+            {"learning_rate": "1e-3"},
+            KeyError,
+            "unknown config key 'learning_rate'; training keys: arm, batch_size",
+        ),
+        ({"bf16": "true"}, KeyError, "unknown config key 'bf16'"),
+        ({"batch_size": "sixty-four"}, ValueError, "batch_size must be int, got 'sixty-four'"),
+        ({"batch_size": "6.5"}, ValueError, "batch_size must be int"),
+        ({"max_steps": "many"}, ValueError, r"max_steps must be int \| None"),
+        ({"lr": "fast"}, ValueError, "lr must be float"),
+        (
+            {"sampler": "hard"},
+            ValueError,
+            r"sampler must be Literal\['random', 'gcbs', 'hard_negatives'\], got 'hard'",
+        ),
+        ({"learnable_scale": "maybe"}, ValueError, "learnable_scale must be bool"),
+        ({"batch_size": "0", "lr": "-1"}, ValueError, "batch_size, lr must be positive"),
+        ({"clip_norm": "-1", "scale": "0"}, ValueError, "clip_norm, scale must be positive"),
+    ],
+)
 def test_unknown_keys_and_ill_typed_values_are_refused(overrides, error, match):
     with pytest.raises(error, match=match):
         load_config("codesearch", "ci", overrides)
 
 
 def cli(*arguments):
-    return subprocess.run([sys.executable, "-m", "gcbs_lib.train", *arguments], env=ENV, cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "gcbs_lib.train", *arguments],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--experiment", "nope"], "unknown experiment 'nope'; known: codesearch, milnce"),
-    (["--experiment", "codesearch", "--profile", "huge"], "unknown profile 'huge' for codesearch; known: ['ci'"),
-    (["--experiment", "codesearch", "--set", "learning_rate=1"], "unknown config key 'learning_rate'"),
-    (["--experiment", "codesearch", "--set", "batch_size=many"], "batch_size must be int, got 'many'"),
-    (["--experiment", "codesearch", "--set", "lr"], "--set takes KEY=VALUE"),
-    (["--experiment", "codesearch", "--sampler", "hard"], "invalid choice: 'hard'"),
-])
-def test_command_line_errors_exit_2_with_one_message_and_no_traceback(tmp_path, capsys, arguments, message):
-    """argparse's `parser.error`: usage, then `error: <message>`, exit status 2 (no traceback, nothing written)."""
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--experiment", "nope"], "unknown experiment 'nope'; known: codesearch, milnce"),
+        (
+            ["--experiment", "codesearch", "--profile", "huge"],
+            "unknown profile 'huge' for codesearch; known: ['ci'",
+        ),
+        (
+            ["--experiment", "codesearch", "--set", "learning_rate=1"],
+            "unknown config key 'learning_rate'",
+        ),
+        (
+            ["--experiment", "codesearch", "--set", "batch_size=many"],
+            "batch_size must be int, got 'many'",
+        ),
+        (["--experiment", "codesearch", "--set", "lr"], "--set takes KEY=VALUE"),
+        (["--experiment", "codesearch", "--sampler", "hard"], "invalid choice: 'hard'"),
+    ],
+)
+def test_command_line_errors_exit_2_with_one_message_and_no_traceback(
+    tmp_path, capsys, arguments, message
+):
+    """argparse's `parser.error`: usage, then `error: <message>`, exit status 2 (no traceback,
+    nothing written)."""
     with pytest.raises(SystemExit) as exit:
         main([*arguments, "--output-dir", str(tmp_path)])
     err = capsys.readouterr().err
@@ -116,8 +207,9 @@ def refused(capsys, arguments) -> str:
     return err
 
 
-def test_an_output_directory_that_is_a_file_or_an_empty_training_set_is_named_in_the_error(tmp_path, capsys,
-                                                                                            data_root):
+def test_an_output_directory_that_is_a_file_or_an_empty_training_set_is_named_in_the_error(
+    tmp_path, capsys, data_root
+):
     (tmp_path / "a-file").write_text("")
     err = refused(capsys, command(tmp_path / "a-file", data_root))
     assert f"error: output directory {tmp_path / 'a-file'} is a file" in err
@@ -125,7 +217,10 @@ def test_an_output_directory_that_is_a_file_or_an_empty_training_set_is_named_in
     empty.mkdir(parents=True)
     (empty / "train.jsonl").write_text("")
     err = refused(capsys, command(tmp_path / "run", tmp_path / "empty"))
-    assert f"error: {empty / 'train.jsonl'}: no code-search examples" in err and not (tmp_path / "run").exists()
+    assert (
+        f"error: {empty / 'train.jsonl'}: no code-search examples" in err
+        and not (tmp_path / "run").exists()
+    )
 
 
 def test_missing_data_is_named_in_a_one_line_error(tmp_path, capsys):
@@ -140,72 +235,134 @@ def test_a_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, data_root):
         train(load_config("codesearch", "ci", settings(data_root)), tmp_path)
 
 
-# ---- checkpoints -------------------------------------------------------------------------------------------
+# ---- checkpoints
+# -------------------------------------------------------------------------------------------
+
 
 def test_an_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "checkpoint.pt"
     write_atomic(path, lambda file: torch.save({"step": 1, "model": {"w": torch.ones(2)}}, file))
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.PicklingError):
         write_atomic(path, lambda file: torch.save({"step": 2, "unpicklable": lambda: None}, file))
     assert load_checkpoint(path)["step"] == 1
 
 
 def command(output_dir, data_root, **overrides):
     pairs = [f"--set={k}={v}" for k, v in settings(data_root, **overrides).items()]
-    return ["--experiment", "codesearch", "--profile", "ci", "--output-dir", str(output_dir), "--sampler", "gcbs",
-            "--seed", "3", *pairs]
+    return [
+        "--experiment",
+        "codesearch",
+        "--profile",
+        "ci",
+        "--output-dir",
+        str(output_dir),
+        "--sampler",
+        "gcbs",
+        "--seed",
+        "3",
+        *pairs,
+    ]
 
 
-def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterrupted_run(tmp_path, data_root):
-    """GCBS sampler, dropout on, checkpoints every 5 steps; the kill lands after step 17 of 24, in the second
-    epoch, whose GCBS order came from the model trained in the first: the resumed run must restore that order."""
+def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterrupted_run(
+    tmp_path, data_root
+):
+    """GCBS sampler, dropout on, checkpoints every 5 steps; the kill lands after step 17 of 24, in
+    the second epoch, whose GCBS order came from the model trained in the first: the resumed run
+    must restore that order."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     options = {"checkpoint_every": 5, "eval_every": 4}
     assert cli(*command(whole, data_root, **options)).returncode == 0
-    job = subprocess.Popen([sys.executable, "-m", "gcbs_lib.train", *command(killed, data_root, **options)], env=ENV,
-                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gcbs_lib.train", *command(killed, data_root, **options)],
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     log = killed / "metrics.jsonl"
-    while job.poll() is None and time.monotonic() < deadline and (
-            not log.exists() or log.read_text().count('"kind": "step"') < 17):  # a line may be half written
+    while (
+        job.poll() is None
+        and time.monotonic() < deadline
+        and (
+            # a line may be half written
+            not log.exists() or log.read_text().count('"kind": "step"') < 17
+        )
+    ):
         time.sleep(0.005)
     job.send_signal(signal.SIGKILL)
     job.wait()
     interrupted = load_checkpoint(killed / "checkpoint.pt")
-    assert 12 < interrupted["step"] < 24, "the kill must land in the second epoch, before the run ended"
+    assert 12 < interrupted["step"] < 24, (
+        "the kill must land in the second epoch, before the run ended"
+    )
     result = cli(*command(killed, data_root, **options))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"resuming {killed / 'checkpoint.pt'} at step {interrupted['step']} of 24\n" in result.stdout
+    assert (
+        f"resuming {killed / 'checkpoint.pt'} at step {interrupted['step']} of 24\n"
+        in result.stdout
+    )
     a, b = load_checkpoint(whole / "checkpoint.pt"), load_checkpoint(killed / "checkpoint.pt")
     assert a["step"] == b["step"] == 24 and a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert torch.equal(a["plan"]["batches"], b["plan"]["batches"])
     assert [r["step"] for r in records(killed)] == list(range(1, 25))  # no step logged twice
-    assert json.loads((killed / "results.json").read_text()) == json.loads((whole / "results.json").read_text())
+    assert json.loads((killed / "results.json").read_text()) == json.loads(
+        (whole / "results.json").read_text()
+    )
 
 
-def test_a_rerun_of_a_finished_run_says_it_reuses_it_returns_its_summary_and_logs_nothing_more(tmp_path, data_root,
-                                                                                                 capsys):
-    config = load_config("codesearch", "ci", settings(data_root, max_steps=4, warmup_steps=2, log_loss_gap="false"))
+def test_a_rerun_of_a_finished_run_says_it_reuses_it_returns_its_summary_and_logs_nothing_more(
+    tmp_path, data_root, capsys
+):
+    config = load_config(
+        "codesearch", "ci", settings(data_root, max_steps=4, warmup_steps=2, log_loss_gap="false")
+    )
     first = train(config, tmp_path)
-    assert [r["lr"] for r in records(tmp_path)] == pytest.approx([0, 5e-4, 1e-3, 5e-4])  # warmup, then linear decay
-    log, made = (tmp_path / "metrics.jsonl").read_text(), load_checkpoint(tmp_path / "checkpoint.pt")["code"]
+    # warmup, then linear decay
+    assert [r["lr"] for r in records(tmp_path)] == pytest.approx([0, 5e-4, 1e-3, 5e-4])
+    log, made = (
+        (tmp_path / "metrics.jsonl").read_text(),
+        load_checkpoint(tmp_path / "checkpoint.pt")["code"],
+    )
     capsys.readouterr()
     assert train(config, tmp_path) == first and (tmp_path / "metrics.jsonl").read_text() == log
-    assert capsys.readouterr().out == (f"reusing {tmp_path}: finished at step 4, made {made['date']}, "
-                                       f"commit {made['commit']}\n")
-    assert first["rows"] == json.loads((tmp_path / "results.json").read_text()) and first["steps"] == 4
-    assert set(first) >= {"output_dir", "experiment", "arm", "seed", "steps", "steps_per_epoch", "best_step", "rows",
-                          "test", "epochs", "dev", "train_seconds"}
+    assert capsys.readouterr().out == (
+        f"reusing {tmp_path}: finished at step 4, made {made['date']}, commit {made['commit']}\n"
+    )
+    assert (
+        first["rows"] == json.loads((tmp_path / "results.json").read_text()) and first["steps"] == 4
+    )
+    assert set(first) >= {
+        "output_dir",
+        "experiment",
+        "arm",
+        "seed",
+        "steps",
+        "steps_per_epoch",
+        "best_step",
+        "rows",
+        "test",
+        "epochs",
+        "dev",
+        "train_seconds",
+    }
     assert set(first["test"]) == {"mrr", "recall@1", "recall@10"} and first["arm"] == "random"
-    other = load_config("codesearch", "ci", settings(data_root, max_steps=4, warmup_steps=2, log_loss_gap="false",
-                                                     lr=2e-3, progress=True))
+    other = load_config(
+        "codesearch",
+        "ci",
+        settings(
+            data_root, max_steps=4, warmup_steps=2, log_loss_gap="false", lr=2e-3, progress=True
+        ),
+    )
     with pytest.raises(ValueError, match=r"written with other settings \(lr\)"):
         train(other, tmp_path)  # progress may change on resume; lr may not
 
 
-def test_a_run_made_by_other_code_is_redone_from_scratch_to_the_result_of_a_fresh_run(tmp_path, data_root, capsys,
-                                                                                      monkeypatch):
+def test_a_run_made_by_other_code_is_redone_from_scratch_to_the_result_of_a_fresh_run(
+    tmp_path, data_root, capsys, monkeypatch
+):
     config = load_config("codesearch", "ci", settings(data_root, max_steps=4, log_loss_gap="false"))
     first, made = train(config, tmp_path), load_checkpoint(tmp_path / "checkpoint.pt")["code"]
     assert set(made) == {"sha256", "commit", "date"} and len(made["sha256"]) == 64
@@ -213,17 +370,23 @@ def test_a_run_made_by_other_code_is_redone_from_scratch_to_the_result_of_a_fres
     monkeypatch.setattr(gcbs_lib.train, "code_fingerprint", lambda: changed)
     capsys.readouterr()
     again = train(config, tmp_path)
-    assert capsys.readouterr().out == (f"redoing {tmp_path}: its checkpoint was made by other code (commit "
-                                       f"{made['commit']}, {made['date']})\n")
-    assert again["rows"] == first["rows"] and again["dev"] == first["dev"]  # retrained: the fresh run's results
+    assert capsys.readouterr().out == (
+        f"redoing {tmp_path}: its checkpoint was made by other code (commit "
+        f"{made['commit']}, {made['date']})\n"
+    )
+    # retrained: the fresh run's results
+    assert again["rows"] == first["rows"] and again["dev"] == first["dev"]
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4]
     assert load_checkpoint(tmp_path / "checkpoint.pt")["code"] == changed
 
 
-# ---- failure -----------------------------------------------------------------------------------------------
+# ---- failure
+# -----------------------------------------------------------------------------------------------
 
-def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, data_root,
-                                                                                           monkeypatch):
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
+    tmp_path, data_root, monkeypatch
+):
     calls = {"n": 0}
     original = CodeSearch.loss
 
@@ -233,8 +396,12 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good
         return loss * float("nan") if calls["n"] == 5 else loss
 
     monkeypatch.setattr(CodeSearch, "loss", loss_that_breaks_at_step_5)
-    config = load_config("codesearch", "ci", settings(data_root, checkpoint_every=2, log_loss_gap="false"))
-    with pytest.raises(TrainingDiverged, match=r"the loss is not finite at step 5.*temperature.*learning rate"):
+    config = load_config(
+        "codesearch", "ci", settings(data_root, checkpoint_every=2, log_loss_gap="false")
+    )
+    with pytest.raises(
+        TrainingDiverged, match=r"the loss is not finite at step 5.*temperature.*learning rate"
+    ):
         train(config, tmp_path)
     last = load_checkpoint(tmp_path / "checkpoint.pt")
     assert last["step"] == 4
@@ -242,22 +409,42 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good
     assert max(r["step"] for r in records(tmp_path)) == 4
 
 
-# ---- data parallel -----------------------------------------------------------------------------------------
+# ---- data parallel
+# -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides", [
-    {"sampler": "gcbs", "chunk_size": 4, "learnable_scale": "true", "sync_check_every": 1},
-    {"sampler": "hard_negatives", "chunk_size": "none", "sync_check_every": 2},
-], ids=["gcbs-gradcache-learnable-scale", "mined-negatives-plain-backward"])
-def test_two_gloo_processes_train_the_one_process_model_at_the_same_global_batch(tmp_path, data_root, overrides):
-    """In float64 (AdamW divides by √v + 1e-8, so float32 rounding in a near-zero gradient moves a parameter by
-    up to ~lr·1e-9/1e-8) and without dropout, 4 steps on 2 ranks match 1 rank to rounding error. One process
-    has no ranks to compare: its sync check does nothing."""
-    config = load_config("codesearch", "ci", settings(data_root, dropout=0.0, max_steps=4, eval_every=2,
-                                                      dtype="float64", **overrides))
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"sampler": "gcbs", "chunk_size": 4, "learnable_scale": "true", "sync_check_every": 1},
+        {"sampler": "hard_negatives", "chunk_size": "none", "sync_check_every": 2},
+    ],
+    ids=["gcbs-gradcache-learnable-scale", "mined-negatives-plain-backward"],
+)
+def test_two_gloo_processes_train_the_one_process_model_at_the_same_global_batch(
+    tmp_path, data_root, overrides
+):
+    """In float64 (AdamW divides by √v + 1e-8, so float32 rounding in a near-zero gradient moves a
+    parameter by up to ~lr·1e-9/1e-8) and without dropout, 4 steps on 2 ranks match 1 rank to
+    rounding error. One process has no ranks to compare: its sync check does nothing."""
+    config = load_config(
+        "codesearch",
+        "ci",
+        settings(data_root, dropout=0.0, max_steps=4, eval_every=2, dtype="float64", **overrides),
+    )
     one = train(config, tmp_path / "one")
-    two = launch("gcbs_lib.train:launched", nproc=2, backend="gloo", echo=False, timeout=240,
-                 args={"config": asdict(config), "output_dir": str(tmp_path / "two")})
-    a, b = load_checkpoint(tmp_path / "one" / "checkpoint.pt"), load_checkpoint(tmp_path / "two" / "checkpoint.pt")
+    two = launch(
+        "gcbs_lib.train:launched",
+        nproc=2,
+        backend="gloo",
+        echo=False,
+        timeout=240,
+        args={"config": asdict(config), "output_dir": str(tmp_path / "two")},
+    )
+    a, b = (
+        load_checkpoint(tmp_path / "one" / "checkpoint.pt"),
+        load_checkpoint(tmp_path / "two" / "checkpoint.pt"),
+    )
     assert torch.equal(a["plan"]["batches"], b["plan"]["batches"])
     for key in a["model"]:
         torch.testing.assert_close(b["model"][key], a["model"][key], rtol=1e-9, atol=1e-11)
@@ -268,12 +455,16 @@ def test_two_gloo_processes_train_the_one_process_model_at_the_same_global_batch
     assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-9)
     every = config.sync_check_every
     assert [r.get("rank_difference") for r in records(tmp_path / "two")] == [
-        0.0 if step % every == 0 else None for step in range(1, 5)]  # the sync check: ranks bitwise equal
+        # the sync check: ranks bitwise equal
+        0.0 if step % every == 0 else None
+        for step in range(1, 5)
+    ]
     assert all("rank_difference" not in r for r in records(tmp_path / "one"))
 
 
 def train_with_rank_1_drifting_after_step_2(config: dict, output_dir: str) -> dict | None:
-    """`launched`, but rank 1 nudges a parameter after step 2, behind DDP's back (a torchrun target)."""
+    """`launched`, but rank 1 nudges a parameter after step 2, behind DDP's back (a torchrun
+    target)."""
     steps = []
 
     def drift(self, model):
@@ -286,7 +477,8 @@ def train_with_rank_1_drifting_after_step_2(config: dict, output_dir: str) -> di
 
 
 def train_with_a_nan_gradient_at_step_2(config: dict, output_dir: str) -> dict | None:
-    """`launched`, but the second loss adds sqrt(0·Σ embeddings): the same finite value, NaN gradients."""
+    """`launched`, but the second loss adds sqrt(0·Σ embeddings): the same finite value, NaN
+    gradients."""
     original, calls = CodeSearch.loss, []
 
     def loss(self, embeddings, batch, scale):
@@ -298,21 +490,44 @@ def train_with_a_nan_gradient_at_step_2(config: dict, output_dir: str) -> dict |
     return launched(config, output_dir)
 
 
-@pytest.mark.parametrize("target, error, logged", [
-    (train_with_rank_1_drifting_after_step_2, r"RanksOutOfSync: ranks out of sync at step 4: .* differ between the "
-                                              r"2 ranks by up to 0\.001", [(1, None), (2, 0.0), (3, None)]),
-    (train_with_a_nan_gradient_at_step_2, r"TrainingDiverged: the gradient norm is not finite at step 2",
-     [(1, None)]),
-], ids=["drift-caught-at-the-next-check", "nan-gradient-is-divergence-not-drift"])
-def test_the_sync_check_stops_drifted_ranks_naming_the_step_and_a_nan_stops_as_diverged(tmp_path, data_root,
-                                                                                        monkeypatch, target, error,
-                                                                                        logged):
-    """Checked every 2nd step: the drift after step 2 (checked and logged in sync) is caught at step 4; a NaN
-    gradient is reported as a divergence, before the sync check could read inf − inf as drift."""
+@pytest.mark.parametrize(
+    "target, error, logged",
+    [
+        (
+            train_with_rank_1_drifting_after_step_2,
+            r"RanksOutOfSync: ranks out of sync at step 4: .* differ between the "
+            r"2 ranks by up to 0\.001",
+            [(1, None), (2, 0.0), (3, None)],
+        ),
+        (
+            train_with_a_nan_gradient_at_step_2,
+            r"TrainingDiverged: the gradient norm is not finite at step 2",
+            [(1, None)],
+        ),
+    ],
+    ids=["drift-caught-at-the-next-check", "nan-gradient-is-divergence-not-drift"],
+)
+def test_the_sync_check_stops_drifted_ranks_naming_the_step_and_a_nan_stops_as_diverged(
+    tmp_path, data_root, monkeypatch, target, error, logged
+):
+    """Checked every 2nd step: the drift after step 2 (checked and logged in sync) is caught at step
+    4; a NaN gradient is reported as a divergence, before the sync check could read inf − inf as
+    drift."""
     monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
-    config = load_config("codesearch", "ci", settings(data_root, max_steps=6, sync_check_every=2,
-                                                      chunk_size="none", log_loss_gap="false"))
+    config = load_config(
+        "codesearch",
+        "ci",
+        settings(
+            data_root, max_steps=6, sync_check_every=2, chunk_size="none", log_loss_gap="false"
+        ),
+    )
     with pytest.raises(LaunchError, match=error):
-        launch(f"{__name__}:{target.__name__}", nproc=2, backend="gloo", echo=False, timeout=240,
-               args={"config": asdict(config), "output_dir": str(tmp_path)})
+        launch(
+            f"{__name__}:{target.__name__}",
+            nproc=2,
+            backend="gloo",
+            echo=False,
+            timeout=240,
+            args={"config": asdict(config), "output_dir": str(tmp_path)},
+        )
     assert [(r["step"], r.get("rank_difference")) for r in records(tmp_path)] == logged

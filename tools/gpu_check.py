@@ -1,15 +1,17 @@
-"""The prepared GPU check (issue 18): six checks of the kit on one device, one markdown table, exit 1 on a failure.
+"""The prepared GPU check (issue 18): six checks of the kit on one device, one markdown table, exit
+1 on a failure.
 
     .venv/bin/python tools/gpu_check.py                        # a lent GPU, a few minutes (≤ 8)
     .venv/bin/python tools/gpu_check.py --device cpu --quick   # the same checks, CPU-sized
 
-dropout: GradCache's dropout replay against one full graph, fp32 and fp64; bf16: the same under bf16 autocast;
-gcbs: the GCBS order on the device equals the CPU's, and its time against one pass of S's matmul; resume: a
-training run killed after a checkpoint and rerun ends with the uninterrupted run's model; minilm: notebook 04's
-recipe (UniXcoder lengths, batch 64) with the packaged MiniLM on the stand-in; nccl: an all_reduce on one rank
-(gloo on the CPU). Result "note": not bitwise, within what nondeterministic device kernels explain; "info": reported,
-not judged.
+dropout: GradCache's dropout replay against one full graph, fp32 and fp64; bf16: the same under bf16
+autocast; gcbs: the GCBS order on the device equals the CPU's, and its time against one pass of S's
+matmul; resume: a training run killed after a checkpoint and rerun ends with the uninterrupted run's
+model; minilm: notebook 04's recipe (UniXcoder lengths, batch 64) with the packaged MiniLM on the
+stand-in; nccl: an all_reduce on one rank (gloo on the CPU). Result "note": not bitwise, within what
+nondeterministic device kernels explain; "info": reported, not judged.
 """
+
 import argparse
 import contextlib
 import json
@@ -40,12 +42,16 @@ CHECKS = ("dropout", "bf16", "gcbs", "resume", "minilm", "nccl")
 
 
 def replay_gradients(device: str, dtype: torch.dtype, autocast: bool = False) -> tuple[list, list]:
-    """Parameter gradients of InfoNCE over a dropout encoder: through `cached_loss`, and through one full graph
-    (`encode_in_chunks`) from the same RNG state; both under bf16 autocast when `autocast`."""
+    """Parameter gradients of InfoNCE over a dropout encoder: through `cached_loss`, and through one
+    full graph (`encode_in_chunks`) from the same RNG state; both under bf16 autocast when
+    `autocast`."""
     torch.manual_seed(0)
     model = TinyTextEncoder(dim=64, heads=4, layers=2, max_length=32, dropout=0.1).to(device, dtype)
     tokens = torch.Generator().manual_seed(1)
-    batches = [{k: v.to(device) for k, v in random_token_batch(64, 32, generator=tokens).items()} for _ in range(2)]
+    batches = [
+        {k: v.to(device) for k, v in random_token_batch(64, 32, generator=tokens).items()}
+        for _ in range(2)
+    ]
 
     def gradients(loss_of_batches):
         model.zero_grad(set_to_none=True)
@@ -66,21 +72,35 @@ def check_dropout(args) -> list:
         error, limit = max(c.rel_err for c in pairs), tolerance(dtype)
         bitwise = all(c.exact for c in pairs)
         measured = "bitwise" if bitwise else f"max rel. err {error:.1e} (not bitwise)"
-        rows.append((f"dropout replay {name}: cached_loss = full graph", "pass" if error <= limit else "FAIL",
-                     measured, f"bitwise, else ≤ {limit:g}"))
+        rows.append(
+            (
+                f"dropout replay {name}: cached_loss = full graph",
+                "pass" if error <= limit else "FAIL",
+                measured,
+                f"bitwise, else ≤ {limit:g}",
+            )
+        )
     return rows
 
 
 def check_bf16(args) -> list:
-    """Norm-wise over all gradients; the full graph adds each Linear weight's gradient over the chunks in bf16 (through
-    autocast's one cached cast), so the fp32 gradients say which of the two is nearer the truth."""
+    """Norm-wise over all gradients; the full graph adds each Linear weight's gradient over the
+    chunks in bf16 (through autocast's one cached cast), so the fp32 gradients say which of the two
+    is nearer the truth."""
     limit, whole = tolerance(torch.bfloat16), lambda grads: torch.cat([g.flatten() for g in grads])
     ours, full = map(whole, replay_gradients(args.device, torch.float32, autocast=True))
     truth = whole(replay_gradients(args.device, torch.float32)[1])
     error = relative_error(ours, full)
-    return [("bf16 autocast replay: cached_loss = full graph", "pass" if error <= limit else "FAIL",
-             f"rel. err {error:.1e} (vs fp32: cached_loss {relative_error(ours, truth):.1e}, full graph "
-             f"{relative_error(full, truth):.1e})", f"≤ {limit:g}")]
+    return [
+        (
+            "bf16 autocast replay: cached_loss = full graph",
+            "pass" if error <= limit else "FAIL",
+            f"rel. err {error:.1e} (vs fp32: cached_loss {relative_error(ours, truth):.1e}, full "
+            "graph "
+            f"{relative_error(full, truth):.1e})",
+            f"≤ {limit:g}",
+        )
+    ]
 
 
 def timed(function, device: str) -> float:
@@ -104,25 +124,53 @@ def check_gcbs(args) -> list:
     differ = (on_device[0] != on_cpu).double().mean().item()
     if differ == 0:
         equal = ("pass", "equal permutations")
-    else:  # a similarity at the threshold rounded the other way moves RCM's order: compare what the orders achieve
+    # a similarity at the threshold rounded the other way moves RCM's order: compare what the orders
+    # achieve
+    else:
         gaps = [gcbs.loss_gap(d1, d2, order, 64, 0.05) for order in (on_device[0], on_cpu)]
         close = abs(gaps[0] - gaps[1]) <= 0.01 * abs(gaps[1])
-        equal = ("note" if close else "FAIL", f"{differ:.1%} of positions differ; loss gap {gaps[0]:.4f} vs "
-                                              f"{gaps[1]:.4f}")
-    ratio = seconds / floor  # reported, not judged: the graph and RCM run on the CPU whatever the device
-    return [(f"GCBS N = {n:,}, d = 256: {device} = cpu", *equal, "equal, else loss gaps within 1 %"),
-            (f"GCBS time on {device} / one matmul pass over S", "info",
-             f"{seconds:.2f} s / {floor:.3f} s = {ratio:.1f}×", "reported (graph and RCM run on the CPU)")]
+        equal = (
+            "note" if close else "FAIL",
+            f"{differ:.1%} of positions differ; loss gap {gaps[0]:.4f} vs {gaps[1]:.4f}",
+        )
+    # reported, not judged: the graph and RCM run on the CPU whatever the device
+    ratio = seconds / floor
+    return [
+        (f"GCBS N = {n:,}, d = 256: {device} = cpu", *equal, "equal, else loss gaps within 1 %"),
+        (
+            f"GCBS time on {device} / one matmul pass over S",
+            "info",
+            f"{seconds:.2f} s / {floor:.3f} s = {ratio:.1f}×",
+            "reported (graph and RCM run on the CPU)",
+        ),
+    ]
 
 
 def train_run(output_dir: Path, profile: str, settings: list[str], popen: bool = False):
-    """`python -m gcbs_lib.train` on codesearch: finished (its last stdout line, JSON), or started (`popen`)."""
-    command = [sys.executable, "-m", "gcbs_lib.train", "--experiment", "codesearch", "--profile", profile,
-               "--output-dir", str(output_dir), *[part for s in settings for part in ("--set", s)]]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    """`python -m gcbs_lib.train` on codesearch: finished (its last stdout line, JSON), or started
+    (`popen`)."""
+    command = [
+        sys.executable,
+        "-m",
+        "gcbs_lib.train",
+        "--experiment",
+        "codesearch",
+        "--profile",
+        profile,
+        "--output-dir",
+        str(output_dir),
+        *[part for s in settings for part in ("--set", s)],
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if popen:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command[1:])} failed:\n{done.stderr[-2000:]}")
@@ -139,35 +187,80 @@ def check_resume(args) -> list:
             time.sleep(0.002)
         run.send_signal(signal.SIGKILL)
         run.wait()
-        killed_at = load_checkpoint(cut / "checkpoint.pt")["step"] if (cut / "checkpoint.pt").exists() else None
+        killed_at = (
+            load_checkpoint(cut / "checkpoint.pt")["step"]
+            if (cut / "checkpoint.pt").exists()
+            else None
+        )
         if killed_at not in (2, 4):
-            return [("resume after SIGKILL", "FAIL", f"not killed after step 2 or 4 (checkpoint step {killed_at})",
-                     "bitwise")]
+            return [
+                (
+                    "resume after SIGKILL",
+                    "FAIL",
+                    f"not killed after step 2 or 4 (checkpoint step {killed_at})",
+                    "bitwise",
+                )
+            ]
         train_run(cut, "ci", settings)
         ends = [load_checkpoint(folder / "checkpoint.pt") for folder in (whole, cut)]
-    assert ends[0]["step"] == ends[1]["step"] == 6 and ends[0]["model"].keys() == ends[1]["model"].keys()
+    assert (
+        ends[0]["step"] == ends[1]["step"] == 6
+        and ends[0]["model"].keys() == ends[1]["model"].keys()
+    )
     pairs = [(ends[0]["model"][k], ends[1]["model"][k]) for k in ends[0]["model"]]
     diff = max((a.double() - b.double()).abs().max().item() for a, b in pairs)
     name = f"resume after SIGKILL at step {killed_at} of 6: model = uninterrupted"
     if all(torch.equal(a, b) for a, b in pairs):
         return [(name, "pass", "bitwise", "bitwise")]
     if args.device == "cuda" and diff <= 1e-5:
-        return [(name, "note", f"max |Δ| {diff:.1e}: not bitwise (CUDA kernels may not be deterministic)",
-                 "bitwise (CUDA: ≤ 1e-5)")]
-    return [(name, "FAIL", f"max |Δ| {diff:.1e}", "bitwise" + (" (CUDA: ≤ 1e-5)" if args.device == "cuda" else ""))]
+        return [
+            (
+                name,
+                "note",
+                f"max |Δ| {diff:.1e}: not bitwise (CUDA kernels may not be deterministic)",
+                "bitwise (CUDA: ≤ 1e-5)",
+            )
+        ]
+    return [
+        (
+            name,
+            "FAIL",
+            f"max |Δ| {diff:.1e}",
+            "bitwise" + (" (CUDA: ≤ 1e-5)" if args.device == "cuda" else ""),
+        )
+    ]
 
 
 def check_minilm(args) -> list:
-    """Notebook 04's recipe: UniXcoder's lengths and batch, MiniLM on the stand-in (its cpu profile), 300 steps."""
-    settings = {"device": args.device, "batch_size": "64", "query_length": "128", "code_length": "256",
-                "max_steps": "300", "epochs": "19", "eval_every": "100", "progress": "false"}  # 16 steps an epoch
+    """Notebook 04's recipe: UniXcoder's lengths and batch, MiniLM on the stand-in (its cpu
+    profile), 300 steps."""
+    settings = {
+        "device": args.device,
+        "batch_size": "64",
+        "query_length": "128",
+        "code_length": "256",
+        # 16 steps an epoch
+        "max_steps": "300",
+        "epochs": "19",
+        "eval_every": "100",
+        "progress": "false",
+    }
     if args.quick:  # a smoke run: three steps, short texts, a small training set and few queries
-        settings |= {"max_steps": "3", "epochs": "1", "train_limit": "192", "eval_limit": "32",
-                     "query_length": "32", "code_length": "64"}
+        settings |= {
+            "max_steps": "3",
+            "epochs": "1",
+            "train_limit": "192",
+            "eval_limit": "32",
+            "query_length": "32",
+            "code_length": "64",
+        }
     config = load_config("codesearch", "cpu", settings)
-    experiment = experiments.get("codesearch")(config.options, seed=config.seed, device=torch.device(args.device))
+    experiment = experiments.get("codesearch")(
+        config.options, seed=config.seed, device=torch.device(args.device)
+    )
     experiment.load_data()
-    torch.manual_seed(seeding.stream_seed(config.seed, 0, "init"))  # as the trainer builds its model
+    # as the trainer builds its model
+    torch.manual_seed(seeding.stream_seed(config.seed, 0, "init"))
     with torch.no_grad():
         start = experiment.evaluate(experiment.build_model().to(args.device).eval(), "test")["mrr"]
     del experiment
@@ -176,15 +269,28 @@ def check_minilm(args) -> list:
         steps = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in steps if r["kind"] == "step"]
     trained, rate = summary["test"]["mrr"], len(steps) / sum(r["seconds"] for r in steps)
-    finite = math.isfinite(start) and math.isfinite(trained) and len(steps) == int(settings["max_steps"])
-    measured = f"test MRR {start:.4f} → {trained:.4f} (best step {summary['best_step']}); {rate:.2f} steps/s"
-    return [(f"MiniLM, batch 64, lengths {settings['query_length']}/{settings['code_length']}, {len(steps)} steps",
-             "pass" if finite else "FAIL", measured, "finite, all steps")]
+    finite = (
+        math.isfinite(start) and math.isfinite(trained) and len(steps) == int(settings["max_steps"])
+    )
+    measured = (
+        f"test MRR {start:.4f} → {trained:.4f} (best step {summary['best_step']}); "
+        f"{rate:.2f} steps/s"
+    )
+    return [
+        (
+            f"MiniLM, batch 64, lengths {settings['query_length']}/{settings['code_length']}, "
+            f"{len(steps)} steps",
+            "pass" if finite else "FAIL",
+            measured,
+            "finite, all steps",
+        )
+    ]
 
 
 def all_reduce_ones(device: str) -> float:
     """A launched rank's all_reduce of ones(4) on its device: 4 × world size."""
     import torch.distributed as dist
+
     ones = torch.ones(4, device=f"cuda:{os.environ['LOCAL_RANK']}" if device == "cuda" else "cpu")
     dist.all_reduce(ones)
     return ones.sum().item()
@@ -192,21 +298,42 @@ def all_reduce_ones(device: str) -> float:
 
 def check_nccl(args) -> list:
     backend = "nccl" if args.device == "cuda" else "gloo"
-    total = launch(f"{Path(__file__).stem}:all_reduce_ones", nproc=1, backend=backend, args={"device": args.device},
-                   timeout=120, echo=False)
-    return [(f"{backend}, world size 1: all_reduce", "pass" if total == 4.0 else "FAIL",
-             f"sum of all_reduce(ones(4)) = {total:g}", "4")]
+    total = launch(
+        f"{Path(__file__).stem}:all_reduce_ones",
+        nproc=1,
+        backend=backend,
+        args={"device": args.device},
+        timeout=120,
+        echo=False,
+    )
+    return [
+        (
+            f"{backend}, world size 1: all_reduce",
+            "pass" if total == 4.0 else "FAIL",
+            f"sum of all_reduce(ones(4)) = {total:g}",
+            "4",
+        )
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--quick", action="store_true", help="CPU-sized: GCBS at N = 5k, 3 MiniLM steps on short texts")
-    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run only these checks")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU-sized: GCBS at N = 5k, 3 MiniLM steps on short texts",
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run only these checks"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: run with --device cpu (add --quick for a smoke run)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch's ranks import all_reduce_ones from here
+    # launch's ranks import all_reduce_ones from here
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     table, began = [], time.perf_counter()
     for name in args.only:
         print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
@@ -216,13 +343,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # a check that crashes fails; the others still run
             last_line = (str(error).strip().splitlines() or [""])[-1]
             rows = [(name, "FAIL", f"{type(error).__name__}: {last_line}".replace("|", "/"), "")]
-        table += [(check, result, f"{measured}; {time.perf_counter() - start:.0f} s", limit)
-                  for check, result, measured, limit in rows]
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+        table += [
+            (check, result, f"{measured}; {time.perf_counter() - start:.0f} s", limit)
+            for check, result, measured, limit in rows
+        ]
+    where = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"cpu, {torch.get_num_threads()} threads"
+    )
     print("| check | result | measured | limit |\n|---|---|---|---|")
     print("\n".join(f"| {' | '.join(row)} |" for row in table))
-    print(f"\n{where}, torch {torch.__version__}{', --quick' if args.quick else ''}: "
-          f"{time.perf_counter() - began:.0f} s in all")
+    print(
+        f"\n{where}, torch {torch.__version__}{', --quick' if args.quick else ''}: "
+        f"{time.perf_counter() - began:.0f} s in all"
+    )
     return int(any(row[1] == "FAIL" for row in table))
 
 

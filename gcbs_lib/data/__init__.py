@@ -1,6 +1,7 @@
-"""Data families, one reader module each (codesearch, sts, howto100m, images), and the tools the kit shares to read
-and write files safely (`read_json`, `write_atomic`) and to build data under `data_root()`; stand-in builders and
-download tools live in `data_scripts/`."""
+"""Data families, one reader module each (codesearch, sts, howto100m, images), and the tools the kit
+shares to read and write files safely (`read_json`, `write_atomic`) and to build data under
+`data_root()`; stand-in builders and download tools live in `data_scripts/`."""
+
 import json
 import os
 import pickle
@@ -14,25 +15,44 @@ from typing import Callable
 REPOSITORY = Path(__file__).resolve().parents[2]
 
 
-def data_root(chosen: str | None = None, option: str = "data_root", *, built_here: bool = False) -> Path:
-    """The data folder: `chosen` (must exist, or its parent if `built_here`), else $GCBS_DATA_ROOT, else <repo>/data."""
-    if chosen and not (Path(chosen).expanduser().parent if built_here else Path(chosen).expanduser()).is_dir():
-        raise ValueError(f"{option} {chosen}{': its parent folder' if built_here else ''} does not exist: create it, "
-                         f"or leave {option} unset for {data_root()}")  # a typo would put data at a stray place
+def data_root(
+    chosen: str | None = None, option: str = "data_root", *, built_here: bool = False
+) -> Path:
+    """The data folder: `chosen` (must exist, or its parent if `built_here`), else $GCBS_DATA_ROOT,
+    else <repo>/data."""
+    if (
+        chosen
+        and not (
+            Path(chosen).expanduser().parent if built_here else Path(chosen).expanduser()
+        ).is_dir()
+    ):
+        raise ValueError(
+            f"{option} {chosen}{': its parent folder' if built_here else ''} does not exist: "
+            "create it, "
+            # a typo would put data at a stray place
+            f"or leave {option} unset for {data_root()}"
+        )
     return Path(chosen or os.environ.get("GCBS_DATA_ROOT") or REPOSITORY / "data").expanduser()
 
 
 def run_data_script(script: str, *args) -> None:
-    """Run `data_scripts/<script> args...` in a fresh Python; on failure raise with the end of its output."""
-    done = subprocess.run([sys.executable, str(REPOSITORY / "data_scripts" / script), *map(str, args)],
-                          capture_output=True, text=True)
+    """Run `data_scripts/<script> args...` in a fresh Python; on failure raise with the end of its
+    output."""
+    done = subprocess.run(
+        [sys.executable, str(REPOSITORY / "data_scripts" / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
-        raise RuntimeError(f"data_scripts/{script} failed (exit {done.returncode}):\n"
-                           f"{(done.stdout + done.stderr)[-3000:]}")
+        raise RuntimeError(
+            f"data_scripts/{script} failed (exit {done.returncode}):\n"
+            f"{(done.stdout + done.stderr)[-3000:]}"
+        )
 
 
 def read_json(where: str | Path, text: str | None = None, hint: str = ""):
-    """The JSON value of the file `where`, or of `text` from there (`where`: "file:line"); errors name `where`."""
+    """The JSON value of the file `where`, or of `text` from there (`where`: "file:line"); errors
+    name `where`."""
     try:
         return json.loads(Path(where).read_text() if text is None else text)
     except json.JSONDecodeError as error:
@@ -40,8 +60,9 @@ def read_json(where: str | Path, text: str | None = None, hint: str = ""):
 
 
 def write_atomic(path: str | Path, content: str | Callable[[Path], object]) -> Path:
-    """Write `content` (a text, or a function that writes the file it is given, such as `lambda file:
-    torch.save(state, file)`) through a temporary file and a rename, so that no reader ever sees half a file."""
+    """Write `content` (a text, or a function that writes the file it is given, such as `lambda
+    file: torch.save(state, file)`) through a temporary file and a rename, so that no reader ever
+    sees half a file."""
     temporary = Path(path).with_name(f".{Path(path).name}.tmp")
     temporary.parent.mkdir(parents=True, exist_ok=True)
     content(temporary) if callable(content) else temporary.write_text(content)
@@ -49,9 +70,10 @@ def write_atomic(path: str | Path, content: str | Callable[[Path], object]) -> P
 
 
 def build_once(folder: str | Path, spec: dict, write: Callable[[Path], dict]) -> Path:
-    """`folder`, built first unless its `manifest.json` matches `spec`: `write(staging)` fills a staging folder
-    and returns extra manifest fields, then one rename publishes it (no half builds; concurrent callers such as
-    DDP ranks are safe, the first rename wins; a build to another spec is replaced)."""
+    """`folder`, built first unless its `manifest.json` matches `spec`: `write(staging)` fills a
+    staging folder and returns extra manifest fields, then one rename publishes it (no half builds;
+    concurrent callers such as DDP ranks are safe, the first rename wins; a build to another spec is
+    replaced)."""
     folder = Path(folder)
     if built(folder, spec):
         return folder
@@ -59,7 +81,9 @@ def build_once(folder: str | Path, spec: dict, write: Callable[[Path], dict]) ->
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         os.chmod(staging, 0o755)
-        (staging / "manifest.json").write_text(json.dumps({**spec, **write(staging)}, indent=1) + "\n")
+        (staging / "manifest.json").write_text(
+            json.dumps({**spec, **write(staging)}, indent=1) + "\n"
+        )
         if not built(folder, spec):
             shutil.rmtree(folder, ignore_errors=True)
             os.rename(staging, folder)
@@ -78,15 +102,38 @@ def built(folder: str | Path, spec: dict) -> bool:
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain containers, numbers, strings and numpy arrays only (unpickling otherwise runs whatever
-    code the file names); the published pickles the kit reads (HowTo100M captions, CIFAR-10) hold only these."""
-    ALLOWED = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "str", "bytes", "int", "float",
-                                          "complex", "bool")}
-    ALLOWED |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray") for n in ("_reconstruct", "scalar")}
-    ALLOWED |= {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}  # _codecs: Python 3 bytes, protocol 2
+    """Unpickles plain containers, numbers, strings and numpy arrays only (unpickling otherwise runs
+    whatever code the file names); the published pickles the kit reads (HowTo100M captions,
+    CIFAR-10) hold only these."""
+
+    ALLOWED = {
+        ("builtins", n)
+        for n in (
+            "dict",
+            "list",
+            "tuple",
+            "set",
+            "frozenset",
+            "str",
+            "bytes",
+            "int",
+            "float",
+            "complex",
+            "bool",
+        )
+    }
+    ALLOWED |= {
+        (m, n)
+        for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+        for n in ("_reconstruct", "scalar")
+    }
+    # _codecs: Python 3 bytes, protocol 2
+    ALLOWED |= {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"the pickle refers to {module}.{name}; only plain containers, numbers, "
-                                         f"strings and numpy arrays are read (unpickling could run its code)")
+            raise pickle.UnpicklingError(
+                f"the pickle refers to {module}.{name}; only plain containers, numbers, "
+                f"strings and numpy arrays are read (unpickling could run its code)"
+            )
         return super().find_class(module, name)

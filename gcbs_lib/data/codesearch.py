@@ -1,12 +1,18 @@
-"""Code search data: the files UniXcoder's code-search script reads, as `{"query", "code", "key"}` examples.
+"""Code search data: the files UniXcoder's code-search script reads, as `{"query", "code", "key"}`
+examples.
 
-  CosQA          cosqa-retrieval-*.json, a JSON list: query `doc`, key `retrieval_idx` (`label` ignored, as
+  CosQA          cosqa-retrieval-*.json, a JSON list: query `doc`, key `retrieval_idx` (`label`
+  ignored, as
                  UniXcoder does). Pool: code_idx_map.txt, {code: retrieval_idx}.
-  AdvTest        {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens` (train) or `function_tokens` (names
+  AdvTest        {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens` (train) or
+  `function_tokens` (names
                  normalised, valid/test), key `url`. Pool: the split file itself.
-  CodeSearchNet  {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens`, `url`. Pool: codebase.jsonl.
+  CodeSearchNet  {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens`, `url`. Pool:
+  codebase.jsonl.
 
-The stdlib stand-in of `data_scripts/build_codesearch_standin.py` is written in the last two layouts."""
+The stdlib stand-in of `data_scripts/build_codesearch_standin.py` is written in the last two
+layouts."""
+
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,19 +25,33 @@ from gcbs_lib.data import read_json
 def load(path: str | Path) -> list[dict]:
     """Read any code-search file UniXcoder's run.py reads into `{"query", "code", "key"}` dicts.
 
-    `.jsonl`: one object per line, code from `function_tokens` if present, else `code_tokens`. Otherwise one JSON
-    document: a list (CosQA) or an object {code: retrieval_idx} (code_idx_map.txt, query ""). Tokens are joined by one
-    space; the key is `url` if present, else `retrieval_idx`, as a string. Errors name the file and the line or row."""
+    `.jsonl`: one object per line, code from `function_tokens` if present, else `code_tokens`.
+    Otherwise one JSON document: a list (CosQA) or an object {code: retrieval_idx}
+    (code_idx_map.txt, query ""). Tokens are joined by one space; the key is `url` if present, else
+    `retrieval_idx`, as a string. Errors name the file and the line or row."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no code-search file at {path} (fetch it: data_scripts/download_codesearch.py)")
+        raise FileNotFoundError(
+            f"no code-search file at {path} (fetch it: data_scripts/download_codesearch.py)"
+        )
     text = path.read_text(encoding="utf-8")
     if path.name.endswith(".jsonl"):
-        examples = [_example(read_json(f"{path}:{n}", line), f"{path}:{n}")
-                    for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    elif isinstance(document := read_json(path, text, "; JSON-lines files are named *.jsonl"), dict):  # code_idx_map
-        require(all(type(idx) is int for idx in document.values()), f"{path}: a code map holds integer retrieval_idx")
-        examples = [{"query": "", "code": _joined(code), "key": str(idx)} for code, idx in document.items()]
+        examples = [
+            _example(read_json(f"{path}:{n}", line), f"{path}:{n}")
+            for n, line in enumerate(text.splitlines(), 1)
+            if line.strip()
+        ]
+    # code_idx_map
+    elif isinstance(
+        document := read_json(path, text, "; JSON-lines files are named *.jsonl"), dict
+    ):
+        require(
+            all(type(idx) is int for idx in document.values()),
+            f"{path}: a code map holds integer retrieval_idx",
+        )
+        examples = [
+            {"query": "", "code": _joined(code), "key": str(idx)} for code, idx in document.items()
+        ]
     elif isinstance(document, list):
         examples = [_example(row, f"{path}[{i}]") for i, row in enumerate(document)]
     else:
@@ -43,11 +63,17 @@ def load(path: str | Path) -> list[dict]:
 def _example(row: dict, where: str) -> dict:
     """One row as {"query", "code", "key"}, with run.py's field choices."""
     require(isinstance(row, dict), f"{where}: expected a JSON object, got {type(row).__name__}")
-    code, key = row.get("function_tokens", row.get("code_tokens")), row.get("url", row.get("retrieval_idx"))
+    code, key = (
+        row.get("function_tokens", row.get("code_tokens")),
+        row.get("url", row.get("retrieval_idx")),
+    )
     query = row.get("docstring_tokens")
     query = query if isinstance(query, list) else row.get("doc", query)
-    require(None not in (code, query, key), f"{where}: a code-search row needs docstring_tokens or doc, code_tokens or "
-            f"function_tokens, and url or retrieval_idx; it has {sorted(row)}")
+    require(
+        None not in (code, query, key),
+        f"{where}: a code-search row needs docstring_tokens or doc, code_tokens or "
+        f"function_tokens, and url or retrieval_idx; it has {sorted(row)}",
+    )
     return {"query": _joined(query), "code": _joined(code), "key": str(key)}
 
 
@@ -58,21 +84,28 @@ def _joined(tokens: list | str) -> str:
 
 class RetrievalTask(NamedTuple):
     """A query file matched against a pool, as UniXcoder's script scores it."""
+
     queries: list[str]
-    codes: list[str]         # the pool's code texts
-    positive: torch.Tensor   # LongTensor [Q]: the pool row of each query's match, −1: none
-    missing: int             # queries with no match
-    repeated: int            # repeated pool keys
+    codes: list[str]  # the pool's code texts
+    positive: torch.Tensor  # LongTensor [Q]: the pool row of each query's match, −1: none
+    missing: int  # queries with no match
+    repeated: int  # repeated pool keys
 
 
 def retrieval_task(query_file: str | Path, pool_file: str | Path | None = None) -> RetrievalTask:
-    """Pair each query of `query_file` with the row of `pool_file` (None: the query file itself) holding its key.
-    As UniXcoder's script scores them: a repeated pool key keeps its first row, a query with no match gets −1."""
+    """Pair each query of `query_file` with the row of `pool_file` (None: the query file itself)
+    holding its key. As UniXcoder's script scores them: a repeated pool key keeps its first row, a
+    query with no match gets −1."""
     queries = load(query_file)
     pool, first = (queries if pool_file is None else load(pool_file)), {}
     for row, example in enumerate(pool):
         first.setdefault(example["key"], row)
     index = {key: i for i, key in enumerate(first)}
     positive = torch.tensor([index.get(e["key"], -1) for e in queries], dtype=torch.long)
-    return RetrievalTask([e["query"] for e in queries], [pool[r]["code"] for r in first.values()], positive,
-                         int((positive < 0).sum()), len(pool) - len(first))
+    return RetrievalTask(
+        [e["query"] for e in queries],
+        [pool[r]["code"] for r in first.values()],
+        positive,
+        int((positive < 0).sum()),
+        len(pool) - len(first),
+    )

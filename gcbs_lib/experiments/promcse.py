@@ -1,6 +1,7 @@
-"""PromCSE (Jiang, Zhang and Wang, 2022) as the GCBS paper trains it: SimCSE's unsupervised recipe on a frozen
-encoder where only deep prefix prompts (`gcbs_lib.prefix`) and SimCSE's MLP learn; lr 3e-2, batch 256 (on a CPU,
-through GradCache: `chunk_size`)."""
+"""PromCSE (Jiang, Zhang and Wang, 2022) as the GCBS paper trains it: SimCSE's unsupervised recipe
+on a frozen encoder where only deep prefix prompts (`gcbs_lib.prefix`) and SimCSE's MLP learn; lr
+3e-2, batch 256 (on a CPU, through GradCache: `chunk_size`)."""
+
 from dataclasses import dataclass
 
 from torch import nn
@@ -14,8 +15,9 @@ class PromCSE(SimCSE):
 
     @dataclass
     class Options(SimCSE.Options):
-        pre_seq_len: int = 16                 # prefix length per layer (PromCSE's default for BERT-base)
-        prefix_dropout: float | None = None   # None: the backbone's hidden dropout, as PromCSE
+        # prefix length per layer (PromCSE's default for BERT-base)
+        pre_seq_len: int = 16
+        prefix_dropout: float | None = None  # None: the backbone's hidden dropout, as PromCSE
 
     def build_model(self) -> nn.Module:
         encoder, o = super().build_model(), self.options

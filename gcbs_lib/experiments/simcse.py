@@ -1,7 +1,9 @@
-"""Unsupervised SimCSE (Gao, Yao and Chen, 2021) as the GCBS paper trains it: the two dropout masks of two passes
-make a sentence's positive pair, the batch's other sentences the negatives, ℓ_i = −log( e^{cos(h_i, h_i⁺)/τ} /
-Σ_j e^{cos(h_i, h_j⁺)/τ} ), τ = 0.05, one direction; max length 32, batch 64, lr 3e-5, [CLS] through an MLP at
-training time only. Scored by Spearman's ρ (a fraction; papers print ×100) on SentEval or the stand-in (NOT STS)."""
+"""Unsupervised SimCSE (Gao, Yao and Chen, 2021) as the GCBS paper trains it: the two dropout masks
+of two passes make a sentence's positive pair, the batch's other sentences the negatives, ℓ_i =
+−log( e^{cos(h_i, h_i⁺)/τ} / Σ_j e^{cos(h_i, h_j⁺)/τ} ), τ = 0.05, one direction; max length 32,
+batch 64, lr 3e-5, [CLS] through an MLP at training time only. Scored by Spearman's ρ (a fraction;
+papers print ×100) on SentEval or the stand-in (NOT STS)."""
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from gcbs_lib.data import data_root, run_data_script
-from gcbs_lib.data.sts import STANDIN_NAME, TASKS, load, load_standin, read_sentences, senteval_path, standin_file
+from gcbs_lib.data.sts import (
+    STANDIN_NAME,
+    TASKS,
+    load,
+    load_standin,
+    read_sentences,
+    senteval_path,
+    standin_file,
+)
 from gcbs_lib.distributed import gather_with_grad
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, to_device
 from gcbs_lib.losses import rank_info_nce
@@ -20,8 +30,11 @@ from gcbs_lib.models import text_encoder
 from gcbs_lib.seeding import fixed_subset
 
 MODEL_NAMES = {"minilm": "all-MiniLM-L6-v2"}
-BUILT_MODELS = {"tiny-bert": "build_tiny_bert.py",  # a random BERT, for CI
-                "mlm-bert": "build_mlm_bert.py"}    # a small BERT pretrained as a masked LM on the stand-in text
+BUILT_MODELS = {
+    "tiny-bert": "build_tiny_bert.py",  # a random BERT, for CI
+    # a small BERT pretrained as a masked LM on the stand-in text
+    "mlm-bert": "build_mlm_bert.py",
+}
 
 
 class SimCSE(Experiment):
@@ -29,15 +42,18 @@ class SimCSE(Experiment):
 
     @dataclass
     class Options:
-        data: str = "standin"             # standin (gensim wheel; NOT STS) | paper (wiki1m + SentEval)
-        data_root: str | None = None      # default: gcbs_lib.data.data_root()
-        train_limit: int | None = None    # train on a fixed random subset of this many sentences
-        eval_limit: int | None = None     # score at most this many pairs per evaluation task (fixed subset)
-        encoder: str = "tiny-bert"        # tiny-bert | mlm-bert | minilm | a Hugging Face name or path
-        pooling: str = "cls_mlp_train"    # SimCSE's cls + MLP at training time only
-        dropout: float | None = None      # None: the encoder's own (0.1 for BERT)
-        max_length: int = 32              # training sentences
-        eval_max_length: int = 256        # evaluation texts (Lee documents are paragraphs)
+        # standin (gensim wheel; NOT STS) | paper (wiki1m + SentEval)
+        data: str = "standin"
+        data_root: str | None = None  # default: gcbs_lib.data.data_root()
+        train_limit: int | None = None  # train on a fixed random subset of this many sentences
+        # score at most this many pairs per evaluation task (fixed subset)
+        eval_limit: int | None = None
+        # tiny-bert | mlm-bert | minilm | a Hugging Face name or path
+        encoder: str = "tiny-bert"
+        pooling: str = "cls_mlp_train"  # SimCSE's cls + MLP at training time only
+        dropout: float | None = None  # None: the encoder's own (0.1 for BERT)
+        max_length: int = 32  # training sentences
+        eval_max_length: int = 256  # evaluation texts (Lee documents are paragraphs)
         eval_batch_size: int = 128
 
     dev_metric = "spearman"
@@ -51,8 +67,12 @@ class SimCSE(Experiment):
             raise ValueError(f"data must be 'standin' or 'paper', got {o.data!r}")
         train, tasks = (paper_data if o.data == "paper" else standin_data)(self.root)
         self.train = [train[i] for i in fixed_subset(len(train), o.train_limit, "train-subset")]
-        self.tasks = {split: {name: _limit(task, o.eval_limit, f"{split}-{name}") for name, task in named.items()}
-                      for split, named in tasks.items()}
+        self.tasks = {
+            split: {
+                name: _limit(task, o.eval_limit, f"{split}-{name}") for name, task in named.items()
+            }
+            for split, named in tasks.items()
+        }
         return TrainSet(len(self.train), [" ".join(text.lower().split()) for text in self.train])
 
     def build_model(self) -> nn.Module:
@@ -60,8 +80,12 @@ class SimCSE(Experiment):
         name = self.root / "models" / o.encoder if o.encoder in BUILT_MODELS else o.encoder
         if o.encoder in BUILT_MODELS and not (name / "manifest.json").is_file():
             run_data_script(BUILT_MODELS[o.encoder], "--root", self.root)
-        self.encoder = text_encoder(str(name), pooling=o.pooling, max_length=max(o.max_length, o.eval_max_length),
-                                    dropout=o.dropout)
+        self.encoder = text_encoder(
+            str(name),
+            pooling=o.pooling,
+            max_length=max(o.max_length, o.eval_max_length),
+            dropout=o.dropout,
+        )
         return self.encoder
 
     def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
@@ -70,9 +94,12 @@ class SimCSE(Experiment):
         return Batch([tokens, tokens])
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
-        return rank_info_nce(*(gather_with_grad(z) for z in embeddings), scale)  # every rank's anchors, positives
+        # every rank's anchors, positives
+        return rank_info_nce(*(gather_with_grad(z) for z in embeddings), scale)
 
-    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_embeddings(
+        self, model: nn.Module, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sentence's embedding, twice (eval mode has no dropout)."""
         z = model(to_device(self.collate(indices.tolist()).inputs[0], self.device))
         return z, z
@@ -83,30 +110,50 @@ class SimCSE(Experiment):
         for name, (first, second, gold) in self.tasks[split].items():
             distinct = sorted(set(first + second))  # a Lee document is in 24 pairs: encode it once
             size, length = self.options.eval_batch_size, self.options.eval_max_length
-            vectors = torch.cat([model(to_device(self.encoder.tokenize(distinct[i:i + size], length), self.device))
-                                 .float().cpu() for i in range(0, len(distinct), size)])
+            vectors = torch.cat(
+                [
+                    model(
+                        to_device(
+                            self.encoder.tokenize(distinct[i : i + size], length), self.device
+                        )
+                    )
+                    .float()
+                    .cpu()
+                    for i in range(0, len(distinct), size)
+                ]
+            )
             row = {text: i for i, text in enumerate(distinct)}
-            cosines = F.cosine_similarity(vectors[[row[t] for t in first]], vectors[[row[t] for t in second]], dim=-1)
+            cosines = F.cosine_similarity(
+                vectors[[row[t] for t in first]], vectors[[row[t] for t in second]], dim=-1
+            )
             scores[f"spearman_{name}"] = spearman(cosines.numpy(), gold)
         return {"spearman": sum(scores.values()) / len(scores), **scores}
 
 
 def paper_data(root: Path) -> tuple[list[str], dict]:
-    """wiki1m_for_simcse.txt to train; {"dev": STS-B dev, "test": every SentEval task} under `<root>/sts/`."""
+    """wiki1m_for_simcse.txt to train; {"dev": STS-B dev, "test": every SentEval task} under
+    `<root>/sts/`."""
     train_file, senteval = root / "sts" / "wiki1m_for_simcse.txt", root / "sts" / "SentEval"
     if not train_file.is_file():
-        raise FileNotFoundError(f"no {train_file}: fetch it with data_scripts/download_sts.py (or set data_root), "
-                                f"or use data='standin' offline")
+        raise FileNotFoundError(
+            f"no {train_file}: fetch it with data_scripts/download_sts.py (or set data_root), "
+            f"or use data='standin' offline"
+        )
     dev = {"STSBenchmark": load(senteval_path("STSBenchmark", senteval, "dev"), "STSBenchmark")}
-    return read_sentences(train_file), {"dev": dev, "test": {t: load(senteval_path(t, senteval), t) for t in TASKS}}
+    return read_sentences(train_file), {
+        "dev": dev,
+        "test": {t: load(senteval_path(t, senteval), t) for t in TASKS},
+    }
 
 
 def standin_data(root: Path) -> tuple[list[str], dict]:
-    """The stand-in (NOT STS): Wikipedia sentences to train; the Lee pairs among a fixed half of its documents as
-    dev; the Lee pairs among the other half, WordSim353 and SimLex-999 as test."""
+    """The stand-in (NOT STS): Wikipedia sentences to train; the Lee pairs among a fixed half of its
+    documents as dev; the Lee pairs among the other half, WordSim353 and SimLex-999 as test."""
     test = {name: load_standin(name, root) for name in ("lee-test", "wordsim353", "simlex999")}
-    return read_sentences(standin_file("train.txt", root)), {"dev": {"lee": load_standin("lee-dev", root)},
-                                                            "test": {"lee": test.pop("lee-test"), **test}}
+    return read_sentences(standin_file("train.txt", root)), {
+        "dev": {"lee": load_standin("lee-dev", root)},
+        "test": {"lee": test.pop("lee-test"), **test},
+    }
 
 
 def _limit(task, limit: int | None, purpose: str):
