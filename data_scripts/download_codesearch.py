@@ -56,6 +56,7 @@ FILES = {  # dataset -> [(url, file name, SHA-256)]
     ],
 }
 FOLDER = {"cosqa": "cosqa", "advtest": "AdvTest", "csn": "CSN"}
+PREPARED = ".prepared"  # the marker of a dataset whose preprocessing ran to its end
 
 
 def unpack_dataset_zip(archive: Path, folder: Path) -> None:
@@ -76,14 +77,18 @@ def fetch(dataset: str, root: Path) -> Path:
         download(
             url, folder / "downloads" / name if name.endswith(".zip") else folder / name, sha256
         )
-    if dataset == "advtest" and not (folder / "test.jsonl").is_file():
+    # written after the last step: a run stopped midway is redone, whichever file it stopped at
+    prepared = folder / PREPARED
+    if dataset == "advtest" and not prepared.is_file():
         unpack_dataset_zip(folder / "downloads" / "dataset.zip", folder)
         with zipfile.ZipFile(folder / "downloads" / "python.zip") as zipped:
             zipped.extractall(folder)
         subprocess.run([sys.executable, "preprocess.py"], cwd=folder, check=True)
-    if dataset == "csn" and not (folder / "python" / "codebase.jsonl").is_file():
+        prepared.write_text("preprocess.py finished\n")
+    if dataset == "csn" and not prepared.is_file():
         unpack_dataset_zip(folder / "downloads" / "dataset.zip", folder)
         subprocess.run(["bash", "run.sh"], cwd=folder, check=True)
+        prepared.write_text("run.sh finished\n")
     return folder
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import http.client
 import os
 import shutil
 import subprocess
@@ -56,10 +57,14 @@ def download(url: str, path: str | Path, sha256: str | None = None, timeout: flo
                 open(partial, "wb") as out,
             ):
                 shutil.copyfileobj(response, out)
-        except OSError as error:  # URLError and timeouts included
+                length = response.headers.get("Content-Length")
+                if length is not None and out.tell() != int(length):
+                    raise DownloadError(f"truncated: {out.tell()} of {length} bytes")
+        # URLError and timeouts are OSErrors; a connection cut mid-file is an IncompleteRead
+        except (OSError, http.client.HTTPException, DownloadError) as error:
             partial.unlink(missing_ok=True)
             raise DownloadError(
-                f"could not download {url} ({error}). This machine may not reach it: fetch "
+                f"could not download {url} ({error!r}). This machine may not reach it: fetch "
                 f"it where the network allows and place it at {path}"
             ) from None
         os.replace(partial, path)
@@ -81,9 +86,18 @@ def download(url: str, path: str | Path, sha256: str | None = None, timeout: flo
 
 
 def unpack(archive: str | Path, folder: str | Path) -> None:
-    """Extract a tar archive into `folder`, refusing members that would land outside it: tarfile's
-    `data` filter where this Python has it (3.11.4+), else a refusal of absolute names, `..` and
-    links."""
+    """Extract a tar archive into `folder`, which appears only once all of it is there (an
+    interrupted run leaves `<folder>.part`, cleared by the next); members that would land outside
+    it are refused: tarfile's `data` filter where this Python has it (3.11.4+), else a refusal of
+    absolute names, `..` and links."""
+    folder = Path(folder)
+    part = folder.with_name(folder.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    _extract(archive, part)
+    os.replace(part, folder)
+
+
+def _extract(archive: str | Path, folder: Path) -> None:
     with tarfile.open(archive) as tar:
         if hasattr(tarfile, "data_filter"):
             return tar.extractall(folder, filter="data")

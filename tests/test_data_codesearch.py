@@ -2,11 +2,13 @@
 data_scripts/fetch.py, and the data scripts: the stdlib stand-in builder and the real-data
 downloader."""
 
+import http.server
 import importlib.util
 import json
 import subprocess
 import sys
 import textwrap
+import threading
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -140,6 +142,29 @@ def test_download_says_clearly_when_a_host_is_unreachable(tmp_path):
         download((tmp_path / "absent").as_uri(), tmp_path / "x")
     with pytest.raises(DownloadError, match="could not download http://127.0.0.1:9/"):
         download("http://127.0.0.1:9/file", tmp_path / "x", timeout=5)
+
+
+class _CutConnection(http.server.BaseHTTPRequestHandler):
+    """Promises 1,000 bytes, sends 10, then closes the connection."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b"0123456789")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_download_cut_midway_is_a_clear_error_and_leaves_no_file(tmp_path):
+    server = http.server.HTTPServer(("127.0.0.1", 0), _CutConnection)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/file.zip"
+    with pytest.raises(DownloadError, match="could not download .*IncompleteRead|truncated"):
+        download(url, tmp_path / "file.zip", timeout=10)
+    server.server_close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_load_reads_a_cosqa_json_list_with_retrieval_idx_keys(tmp_path):
@@ -590,3 +615,35 @@ def test_download_script_runs_advtest_preprocessing_shipped_in_the_archive(tmp_p
     )
     task = retrieval_task(tmp_path / "data" / "codesearch" / "AdvTest" / "test.jsonl")
     assert task.codes == ["def func ( arg_0 ) : return arg_0", "def func ( ) : pass"]
+
+
+def test_advtest_preprocessing_stopped_midway_is_redone_by_the_next_fetch(tmp_path, monkeypatch):
+    served = tmp_path / "served"
+    served.mkdir()
+    with zipfile.ZipFile(served / "dataset.zip", "w") as zipped:
+        zipped.writestr(
+            "dataset/preprocess.py",
+            "import json, pathlib, sys\n"
+            "rows = json.loads(pathlib.Path('python/rows.json').read_text())\n"
+            "pathlib.Path('test.jsonl').write_text(json.dumps(rows[0]) + '\\n')\n"
+            "if pathlib.Path('stop').exists():\n"
+            "    sys.exit(1)\n"
+            "pathlib.Path('test.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in rows))\n",
+        )
+    with zipfile.ZipFile(served / "python.zip", "w") as zipped:
+        zipped.writestr("python/rows.json", json.dumps(ADVTEST_TEST))
+    module = script("download_codesearch")
+    monkeypatch.setitem(
+        module.FILES,
+        "advtest",
+        [((served / n).as_uri(), n, h) for _, n, h in module.FILES["advtest"]],
+    )
+    folder = tmp_path / "data" / "codesearch" / "AdvTest"
+    folder.mkdir(parents=True)
+    (folder / "stop").touch()
+    with pytest.raises(subprocess.CalledProcessError):
+        module.fetch("advtest", tmp_path / "data")
+    assert len(retrieval_task(folder / "test.jsonl").codes) == 1  # half done
+    (folder / "stop").unlink()
+    module.fetch("advtest", tmp_path / "data")
+    assert len(retrieval_task(folder / "test.jsonl").codes) == 2

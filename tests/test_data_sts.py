@@ -325,6 +325,21 @@ def test_download_script_unpacks_senteval_where_the_readers_find_it(tmp_path, mo
     assert len(load(year, "STS15")[0]) == 2 * len(STS_YEARS["STS15"])
 
 
+def test_an_unpack_stopped_midway_leaves_no_folder_and_the_next_one_completes(tmp_path):
+    (tmp_path / "downstream").mkdir()
+    (tmp_path / "downstream" / "a.txt").write_text("a" * 5000)
+    with tarfile.open(tmp_path / "good.tar", "w") as tar:
+        tar.add(tmp_path / "downstream", arcname="downstream")
+    (tmp_path / "cut.tar").write_bytes((tmp_path / "good.tar").read_bytes()[:3000])
+    unpack = script("download_sts").unpack
+    with pytest.raises(tarfile.TarError):
+        unpack(tmp_path / "cut.tar", tmp_path / "SentEval")
+    assert not (tmp_path / "SentEval").exists()
+    unpack(tmp_path / "good.tar", tmp_path / "SentEval")
+    assert (tmp_path / "SentEval" / "downstream" / "a.txt").read_text() == "a" * 5000
+    assert not (tmp_path / "SentEval.part").exists()
+
+
 def test_download_script_refuses_a_tar_member_outside_the_target(tmp_path):
     with tarfile.open(tmp_path / "evil.tar", "w") as tar:
         (tmp_path / "x.txt").write_text("x")
