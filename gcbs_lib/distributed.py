@@ -109,8 +109,10 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
         return float("nan")
     largest = 0.0
     for tensor in tensors:
-        dist.all_reduce(high := tensor.clone(), op=dist.ReduceOp.MAX)
-        dist.all_reduce(low := tensor.clone(), op=dist.ReduceOp.MIN)
+        high = tensor.clone()
+        low = tensor.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
         # inf − inf: 0
         largest = max(largest, float((high.double() - low.double()).nan_to_num(nan=0.0).max()))
     return largest

@@ -199,7 +199,8 @@ def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
     )
     chunks = []
     for branch, (encoder, batch) in enumerate(zip(encoders, batches)):
-        require(n := batch_length(batch), f"branch {branch} is an empty batch")
+        n = batch_length(batch)
+        require(n, f"branch {branch} is an empty batch")
         require(
             not any(t.requires_grad for t in _tensors(batch)),
             f"branch {branch}: the batch requires grad; "

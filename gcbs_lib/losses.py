@@ -8,11 +8,11 @@ import math
 from typing import Callable, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from gcbs_lib.check import require
+from gcbs_lib.distributed import rank_and_world_size
 
 Scale = Union[float, torch.Tensor, Callable[[], torch.Tensor]]
 
@@ -65,9 +65,9 @@ def rank_info_nce(
         f"sizes differ or are not [rows, D]: queries {tuple(all_queries.shape)}, documents "
         f"{tuple(all_docs.shape)}",
     )
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = (dist.get_rank() if distributed else 0) if rank is None else rank
-    world_size = (dist.get_world_size() if distributed else 1) if world_size is None else world_size
+    own_rank, own_world_size = rank_and_world_size()
+    rank = own_rank if rank is None else rank
+    world_size = own_world_size if world_size is None else world_size
     n, m = len(all_queries), len(all_docs)
     require(
         n and m and not m % n and not n % world_size,
@@ -108,16 +108,37 @@ def mil_nce(
     (i, j) leave both sums. `chunk_size` streams the denominators in blocks of chunk_size² scores
     (no B×N matrix is held), with the same values and gradients to rounding. Returns the mean, or
     `[B]` with reduction="none"."""
-    # clear errors for everything mil_nce cannot score (a CUDA gather would return garbage instead)
-    require(
-        direction in ("v2t", "both") and reduction in ("mean", "none"),
-        f"direction must be 'v2t' or 'both', "
-        f"reduction 'mean' or 'none'; got {direction!r}, {reduction!r}",
-    )
+    require(direction in ("v2t", "both"), f"direction must be 'v2t' or 'both', got {direction!r}")
+    require(reduction in ("mean", "none"), f"reduction must be 'mean' or 'none', got {reduction!r}")
     require(
         chunk_size is None or type(chunk_size) is int and chunk_size > 0,
         f"chunk_size must be None or a positive int, got {chunk_size!r}",
     )
+    exclude = _checked_mil_nce_inputs(video, text, bag_idx, temperature, exclude_idx)
+    scaled = video / temperature
+    padding = bag_idx < 0
+    bags = bag_idx.clamp(min=0)
+    rows, slots = (exclude >= 0).nonzero(as_tuple=True)
+    cols = exclude[rows, slots]
+    positive = (
+        torch.einsum("bd,bad->ba", scaled, text[bags])
+        .masked_fill(padding, -math.inf)
+        .logsumexp(dim=1)
+    )
+    denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
+    # every clip against caption j (a column sum), then over the captions of clip i's bag
+    if direction == "both":
+        columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags].masked_fill(
+            padding, -math.inf
+        )
+        denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
+    loss = denominator - positive
+    return loss.mean() if reduction == "mean" else loss
+
+
+def _checked_mil_nce_inputs(video, text, bag_idx, temperature, exclude_idx) -> torch.Tensor:
+    """Clear errors for everything `mil_nce` cannot score (a CUDA gather would return garbage
+    instead); returns the exclusions, `[B, 0]` when there are none."""
     require(
         video.dim() == text.dim() == 2
         and video.shape[1] == text.shape[1]
@@ -155,23 +176,7 @@ def mil_nce(
     )
     shared = (exclude[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
     require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")
-    scaled, padding, bags = video / temperature, bag_idx < 0, bag_idx.clamp(min=0)
-    rows, slots = (exclude >= 0).nonzero(as_tuple=True)
-    cols = exclude[rows, slots]
-    positive = (
-        torch.einsum("bd,bad->ba", scaled, text[bags])
-        .masked_fill(padding, -math.inf)
-        .logsumexp(dim=1)
-    )
-    denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
-    # every clip against caption j (a column sum), then over the captions of clip i's bag
-    if direction == "both":
-        columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags].masked_fill(
-            padding, -math.inf
-        )
-        denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
-    loss = denominator - positive
-    return loss.mean() if reduction == "mean" else loss
+    return exclude
 
 
 def _masked_logsumexp(a, b, rows, cols, chunk_size: int | None) -> torch.Tensor:

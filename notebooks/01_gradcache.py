@@ -51,7 +51,13 @@ import torch
 
 from gcbs_lib import gradcache
 from gcbs_lib.check import cmp_table, compare, relative_error, tolerance
-from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks
+from gcbs_lib.gradcache import (
+    RandContext,
+    batch_length,
+    cached_loss,
+    encode_in_chunks,
+    slice_batch,
+)
 from gcbs_lib.losses import LogitScale, info_nce
 from gcbs_lib.measure import contrastive_step, fresh_process_bytes, memory_method, memory_rise
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
@@ -105,7 +111,39 @@ print(f"profile={profile}  device={device}  torch={torch.__version__}")
 # `cached_loss(...).backward()` exactly like a full-batch loss, and scaling, accumulation and `no_grad` just work.
 
 # %% [markdown]
-# ## 3 · The core, as the kit runs it
+# ## 3 · The three steps as a plain function
+#
+# Before any packaging, the algorithm itself: a loop per step, one chunk's graph alive at a time. It fills
+# every `.grad` as `loss_fn(*[encoder(batch) ...]).backward()` would, and section 5 measures that it does.
+
+
+# %%
+def three_steps(loss_fn, encoders, batches, chunk_size):
+    """GradCache written out: backward through loss_fn(*[encoder(batch)]), one chunk graph at a time."""
+    chunks = [
+        [slice_batch(b, s, s + chunk_size) for s in range(0, batch_length(b), chunk_size)]
+        for b in batches
+    ]
+    rngs = [[] for _ in batches]
+    with torch.no_grad():  # step 1: embeddings without a graph, each chunk's RNG state kept
+        cached = []
+        for encoder, branch, states in zip(encoders, chunks, rngs):
+            embeddings = []
+            for chunk in branch:
+                states.append(RandContext(*chunk.values()))
+                embeddings.append(encoder(chunk))
+            cached.append(torch.cat(embeddings).requires_grad_())
+    loss = loss_fn(*cached)  # step 2: the loss on the cached embeddings; g = its gradient
+    loss.backward()
+    for encoder, branch, states, leaf in zip(encoders, chunks, rngs, cached):  # step 3: replay
+        for chunk, state, g in zip(branch, states, leaf.grad.split(chunk_size)):
+            with state:
+                (encoder(chunk) * g).sum().backward()
+    return loss.detach()
+
+
+# %% [markdown]
+# ## 4 · The core, as the kit runs it
 #
 # Here is that code, printed from the library itself: `cached_loss` (steps 1 and 2) and the `Function` whose
 # backward is step 3. Around them `gradcache.py` only slices batches (a tensor, or a dict of tensors), checks each
@@ -120,11 +158,11 @@ print(source)
 print(f"({len(source.splitlines())} lines)")
 
 # %% [markdown]
-# ## 4 · Is it exact? A small transformer, float64 and float32
+# ## 5 · Is it exact? A small transformer, float64 and float32
 #
 # A two-layer transformer encoder (attention written out in plain tensor ops), two separate encoders for queries
 # and documents, one hard negative per query, a symmetric loss and a learnable logit scale. The reference is the
-# plain full-batch loss. Dropout is off here (section 5 turns it on).
+# plain full-batch loss. Dropout is off here (section 6 turns it on).
 
 
 # %%
@@ -192,6 +230,11 @@ rows = [compare("loss", loss_cached, loss_full)] + [
 ]
 print("float64, chunk_size=5 vs the full batch")
 print(cmp_table(rows))
+encoders, scale, batches, loss_fn = make_experiment(torch.float64)
+three_steps(loss_fn, encoders, batches, chunk_size=5)
+plain = grouped_grads(encoders, scale)
+plain_rows = [compare(f"three_steps: {g}", plain[g], reference[g]) for g in reference]
+print(cmp_table(plain_rows))
 
 # %% [markdown]
 # Not bitwise equal (chunked matrix products add in a different order), but the relative errors sit at the
@@ -217,7 +260,7 @@ for (dtype, chunk_size), error in errors.items():
 assert all(error <= tolerance(getattr(torch, dtype)) for (dtype, _), error in errors.items())
 
 # %% [markdown]
-# ## 5 · Dropout: the replay must draw the same masks
+# ## 6 · Dropout: the replay must draw the same masks
 #
 # First a canary: with dropout on, two forward passes of the same input differ, so any check below could fail.
 # Then `RandContext`: it captures the RNG at creation and restores it on entering, so the replayed forward
@@ -279,7 +322,7 @@ print(cmp_table([compare(g, with_cache[g], same_masks[g]) for g in same_masks]))
 dropout_error = max(relative_error(with_cache[g], same_masks[g]) for g in same_masks)
 
 # %% [markdown]
-# ## 6 · It behaves like a loss
+# ## 7 · It behaves like a loss
 #
 # Because steps 2–3 run inside the caller's backward, `(s · loss).backward()` scales every gradient by `s`
 # (loss scaling for fp16 works unchanged), and under `torch.no_grad()` nothing is replayed at all.
@@ -318,7 +361,7 @@ print(
 no_replay = len(calls) == n_chunks and sum(calls) == batch_size + n_docs
 
 # %% [markdown]
-# ## 7 · What it saves: peak memory against batch size
+# ## 8 · What it saves: peak memory against batch size
 #
 # A plain step keeps every example's activations until the backward, so its peak grows linearly with $B$.
 # GradCache's peak is one chunk's graph plus the `[B, D]` embeddings and their gradients, nearly flat in $B$.
@@ -377,7 +420,7 @@ print(
 )
 
 # %% [markdown]
-# ## 8 · What it costs: time
+# ## 9 · What it costs: time
 #
 # GradCache runs the encoder forward **twice** (once without a graph, once in the replay). If a backward costs
 # about two forwards, as it does for matrix-multiply-bound models on a GPU, a plain step costs $F + 2F = 3F$ and
@@ -459,6 +502,7 @@ for r in result_rows:
 # ## Checks
 
 # %%
+assert all(r.within_tolerance for r in plain_rows), "the plain three steps must give the gradient"
 assert all(error <= tolerance(getattr(torch, dtype)) for (dtype, _), error in errors.items())
 assert dropout_active, "dropout must change the forward, or the replay checks below prove nothing"
 assert replay_bitwise and dropout_error <= 1e-12
@@ -468,6 +512,9 @@ assert growth["gradcache"] < 2.0, "GradCache peak memory should stay nearly flat
 
 # %%
 # NBVAL_CHECK_OUTPUT
+print(
+    "plain three_steps, fp64 gradients within 1e-12:", all(r.within_tolerance for r in plain_rows)
+)
 print(
     "fp64 gradients within 1e-12 for chunk sizes",
     chunk_sizes,

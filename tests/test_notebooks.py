@@ -2,6 +2,7 @@
 notebooks."""
 
 import ast
+import re
 from pathlib import Path
 
 import jupytext
@@ -30,8 +31,9 @@ def parameters(script):
     return {t.id: ast.literal_eval(s.value) for s in statements for t in s.targets}
 
 
-def test_there_are_notebooks():
-    assert SCRIPTS
+def test_the_readme_teaches_exactly_the_notebooks_there_are():
+    listed = re.findall(r"^\| `(\d\d_\w+)` \|", (NOTEBOOKS.parent / "README.md").read_text(), re.M)
+    assert listed == [script.stem for script in SCRIPTS]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
