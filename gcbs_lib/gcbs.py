@@ -1,21 +1,16 @@
 """Global Contrastive Batch Sampling (GCBS): batches that hold each other's hard negatives.
 
 Sachidananda, Yang and Zhu (ICML 2023) reorder the training set at each epoch start. With N pairs
-embedded as z1 (anchors) and z2 (positives), unit rows, and the cosine similarities S = z1 z2ᵀ:
+embedded as z1, z2 (unit rows) and S = z1 z2ᵀ, the pairs (i, j) whose S_ij lies above a threshold
+are the edges of a graph, and reverse Cuthill–McKee (RCM) orders the items so that both ends of an
+edge land close together, hence mostly in one batch. Two orders, S taken in row blocks, never whole:
 
-1. the pairs (i, j), i ≠ j, whose S_ij lies above the q-quantile of the N(N−1) off-diagonal
-   similarities are the edges of an undirected graph (the diagonal holds the positive pairs: no
-   edges);
-2. reverse Cuthill–McKee (RCM) orders the items so that the graph's bandwidth is small: both ends of
-   an edge land close together in the order, hence mostly in one batch;
-3. the order is cut into batches and the batch order shuffled (`gcbs_batches`).
+- `published_permutation`: the paper's minimal code, index for index (threshold: the median of the
+  quantiles of S's 10-row chunks, diagonal included; directed edges);
+- `gcbs_permutation`, the kit's variant: the exact quantile of the off-diagonal S_ij (a sampled
+  lower bound, one pass keeping the candidates), undirected edges, nodes relabelled at random.
 
-S is computed in row blocks on the embeddings' device and never held whole. The threshold is exact
-(numpy's quantile of the float32 similarities) and takes one pass over S: a row sample gives a lower
-bound, the pass keeps the entries at or above it (the candidate edges) and counts the rest, and the
-two order statistics that the quantile interpolates lie among the candidates. Should the bound miss,
-a second pass runs without one. `loss_gap` measures what an order achieves: the gap between the
-global InfoNCE loss and the in-batch one."""
+`gcbs_batches` cuts the kit's order into batches; `loss_gap` measures what an order achieves."""
 
 import math
 from collections import deque
@@ -63,14 +58,16 @@ def _check_batch_size(batch_size: int, n: int) -> None:
     )
 
 
-def _blocks(u1: torch.Tensor, u2: torch.Tensor):
-    """(first row, S[rows]) for consecutive row blocks of S, float32 on the embeddings' device,
-    diagonal −inf."""
+def _blocks(u1: torch.Tensor, u2: torch.Tensor, keep_diagonal: bool = False, multiple: int = 1):
+    """(first row, S[rows]) for consecutive blocks of S of a `multiple` of rows (bar the last),
+    float32 on the embeddings' device, the diagonal −inf unless kept."""
     n = len(u1)
-    rows = max(1, (DEVICE_BLOCK_ELEMENTS if u1.is_cuda else BLOCK_ELEMENTS) // n)
+    elements = DEVICE_BLOCK_ELEMENTS if u1.is_cuda else BLOCK_ELEMENTS
+    rows = max(multiple, elements // n // multiple * multiple)
     for start in range(0, n, rows):
         block = u1[start : start + rows] @ u2.T
-        block.diagonal(start).fill_(-math.inf)
+        if not keep_diagonal:
+            block.diagonal(start).fill_(-math.inf)
         yield start, block
 
 
@@ -146,9 +143,8 @@ def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -
     """
     require(0 < quantile < 1, f"quantile must lie in (0, 1), got {quantile}")
     u1, u2 = unit_rows(z1, z2)
-    require(
-        (n := len(u1)) >= 2, f"need at least 2 items for an off-diagonal similarity, got N = {n}"
-    )
+    n = len(u1)
+    require(n >= 2, f"need at least 2 items for an off-diagonal similarity, got N = {n}")
     threshold, flat, values = _threshold_and_candidates(u1, u2, quantile)
     rows, cols = np.divmod(flat[values > np.float64(threshold)], n)
     # node p of the relabelled graph is item relabel[p]
@@ -157,9 +153,50 @@ def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -
     directed = sp.csr_matrix((np.ones(len(rows), bool), (label[rows], label[cols])), shape=(n, n))
     graph = (directed + directed.T).tocsr()
     graph.sort_indices()
-    return torch.from_numpy(
-        relabel[reverse_cuthill_mckee(graph, symmetric_mode=True)].astype(np.int64)
-    )
+    order = relabel[reverse_cuthill_mckee(graph, symmetric_mode=True)]
+    return torch.from_numpy(order.astype(np.int64))
+
+
+def _chunk_quantiles(chunks: torch.Tensor, quantile: float) -> torch.Tensor:
+    """torch.quantile(row, quantile) of each row of `chunks`, bitwise: torch's float32 rank, the
+    order statistics at its floor and ceiling (found by selection on the CPU), torch's lerp."""
+    rank = torch.tensor(quantile, dtype=torch.float32) * (chunks.shape[1] - 1)
+    low = int(rank)
+    if chunks.is_cuda:
+        part = chunks.sort(dim=1).values
+    else:
+        part = torch.from_numpy(np.partition(chunks.numpy(), low, axis=1))
+    weight = (rank - low).to(chunks.device).expand(len(part))
+    return part[:, low].lerp(part[:, int(rank.ceil()) :].amin(1), weight)
+
+
+def published_permutation(z1, z2, quantile: float = 0.999) -> torch.Tensor:
+    """The published order, index for index: `reverse_cuthill_mckee` (default symmetric_mode) of the
+    csr graph of the S_ij, diagonal included, above `torch.tensor([torch.quantile(S[i : i + 10],
+    quantile) for i in range(0, N, 10)]).median()` (the lower middle value, as Tensor.median gives).
+    One pass over S: each block keeps its S_ij at or above its lowest chunk quantile, or is computed
+    again should that bound exceed the threshold (or keep too many)."""
+    require(0 <= quantile <= 1, f"quantile must lie in [0, 1], got {quantile}")
+    u1, u2 = unit_rows(z1, z2)
+    n = len(u1)
+    quantiles, kept, edges = [], [], []
+    for start, block in _blocks(u1, u2, keep_diagonal=True, multiple=10):
+        whole = len(block) // 10 * 10
+        parts = [block[:whole].reshape(-1, 10 * n), block[whole:].reshape(1, -1)]
+        quantiles.append(torch.cat([_chunk_quantiles(p, quantile) for p in parts if p.numel()]))
+        bound = float(quantiles[-1].min())
+        flat, values = _at_least(block, bound)
+        if len(values) > 4 * (1 - quantile) * block.numel() + 10 * n:
+            flat, values, bound = None, None, math.inf
+        kept.append((start, len(block), bound, flat, values))
+    threshold = np.float32(torch.cat(quantiles).median().item())
+    for start, length, bound, flat, values in kept:
+        if bound > threshold:
+            flat, values = _at_least(u1[start : start + length] @ u2.T, threshold)
+        edges.append(flat[values > threshold] + start * n)
+    rows, cols = np.divmod(np.concatenate(edges), n)
+    graph = sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
+    return torch.from_numpy(reverse_cuthill_mckee(graph).astype(np.int64))
 
 
 def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> list[list[int]]:
@@ -229,9 +266,8 @@ def gcbs_batches(
         require(len(keys) == len(z1), f"{len(keys)} keys for {len(z1)} items")
     order = gcbs_permutation(z1, z2, quantile, stream_seed(seed, epoch, "gcbs-relabel"))
     batches = torch.tensor(_cut(order.tolist(), batch_size, keys), dtype=torch.long)
-    return batches[
-        torch.randperm(len(batches), generator=generator(seed, epoch, "gcbs-batch-shuffle"))
-    ]
+    shuffle = torch.randperm(len(batches), generator=generator(seed, epoch, "gcbs-batch-shuffle"))
+    return batches[shuffle]
 
 
 def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
@@ -244,7 +280,8 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     torch.arange(len(items)), B, τ) with items = batches.flatten()."""
     require(temperature > 0, f"temperature must be positive, got {temperature}")
     u1, u2 = unit_rows(z1, z2, torch.float64)
-    _check_batch_size(batch_size, n := len(u1))
+    n = len(u1)
+    _check_batch_size(batch_size, n)
     order = torch.as_tensor(order)
     require(not order.is_floating_point(), f"order must hold integer indices, got {order.dtype}")
     order = order.long().to(u1.device)
@@ -257,7 +294,6 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     for start in range(0, n, rows):
         logits = u1[start : start + rows] @ u2.T / temperature
         outside = batch_of[start : start + rows, None] != batch_of[None, :]
-        total += (
-            (logits.logsumexp(1) - logits.masked_fill(outside, -math.inf).logsumexp(1)).sum().item()
-        )
+        inside = logits.masked_fill(outside, -math.inf).logsumexp(1)
+        total += (logits.logsumexp(1) - inside).sum().item()
     return total / n

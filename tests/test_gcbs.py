@@ -1,5 +1,5 @@
-"""Specification of GCBS: the exact similarity threshold, the RCM permutation, the epoch's batches,
-the loss gap."""
+"""Specification of GCBS: the published order, the kit's exact similarity threshold and RCM
+permutation, the epoch's batches, the loss gap."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow, reverse_cuthill_mckee
 
 from gcbs_lib import gcbs
-from gcbs_lib.gcbs import gcbs_batches, gcbs_permutation, loss_gap
+from gcbs_lib.gcbs import gcbs_batches, gcbs_permutation, loss_gap, published_permutation
 from gcbs_lib.seeding import generator, stream_seed
 
 BATCH, TAU = 32, 0.05
@@ -66,6 +66,112 @@ DATA_SETS = {  # name: (z1, z2, quantile)
     "positives most similar": (*pairs(800, 16, noise=0.01, seed=4), 0.99),
     "three items": (*pairs(3, 4, seed=5), 0.5),
 }
+
+
+# ----------------------------------------------------------------------------- published order
+
+
+def literal_published(z1, z2, quantile):
+    """The published minimal code written out: S whole, torch.quantile of each 10-row chunk in a
+    Python loop, their median, the csr matrix of S above it, scipy's RCM."""
+    x, y = (F.normalize(z.float(), dim=1) for z in (z1, z2))
+    similarity = x @ y.T
+    quantiles = [torch.quantile(similarity[i : i + 10], quantile) for i in range(0, len(x), 10)]
+    threshold = torch.tensor(quantiles).median()
+    order = reverse_cuthill_mckee(csr_matrix((similarity > threshold).numpy()))
+    return torch.from_numpy(order.astype(np.int64))
+
+
+def duplicated_pairs(n, dim, seed=0):
+    """Every item thrice (equal rows, equal similarities), positives equal to anchors."""
+    z1 = torch.randn(n // 3 + 1, dim, generator=torch.Generator().manual_seed(seed)).repeat(3, 1)
+    return z1[:n], z1[:n].clone()
+
+
+def tight_cluster_first(n, dim, seed=0):
+    """60 nearly equal items first: the chunk quantiles of their rows lie above the threshold."""
+    z1, z2 = pairs(n, dim, seed=seed)
+    z1[:60] = z1[0] + 0.01 * z1[:60]
+    z2[:60] = z1[:60]
+    return z1, z2
+
+
+def one_chunk_away(n, dim, seed=0):
+    """Items in the positive orthant but the last 10, which point away from all: a chunk quantile
+    far below the others."""
+    g = torch.Generator().manual_seed(seed)
+    z1 = torch.randn(n, dim, generator=g).abs()
+    z2 = z1 + 0.3 * torch.randn(n, dim, generator=g).abs()
+    z1[-10:] = -1.0
+    return z1, z2
+
+
+PUBLISHED_SETS = {  # name: (z1, z2, quantile)
+    "isotropic": (*pairs(1000, 32, seed=2), 0.999),
+    "planted clusters": (*pairs(1500, 16, clusters=30, seed=1), 0.99),
+    "N not a multiple of 10": (*pairs(1203, 8, clusters=12, seed=6), 0.95),
+    "an even number of chunks": (*pairs(40, 4, seed=7), 0.7),
+    "N below 10": (*pairs(7, 4, seed=8), 0.5),
+    "one item": (*pairs(1, 4, seed=9), 0.999),
+    "ties and negatives": (*tied_pairs(400, 4), 0.97),
+    "duplicated rows": (*duplicated_pairs(301, 6), 0.9),
+    "low quantile": (*pairs(300, 8, clusters=5, spread=0.05, seed=3), 0.25),
+    "quantile 0": (*pairs(90, 8, seed=10), 0.0),
+    "quantile 1": (*pairs(95, 8, seed=11), 1.0),
+    "tight cluster first": (*tight_cluster_first(800, 16), 0.99),
+    "one chunk away": (*one_chunk_away(800, 16), 0.99),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_SETS)
+def test_published_permutation_equals_the_published_code_index_for_index(name):
+    z1, z2, quantile = PUBLISHED_SETS[name]
+    order = published_permutation(z1, z2, quantile)
+    assert order.dtype == torch.long and torch.equal(order, literal_published(z1, z2, quantile))
+    assert torch.equal(order.sort().values, torch.arange(len(z1)))
+
+
+@pytest.mark.parametrize(
+    "name", ["planted clusters", "N not a multiple of 10", "ties and negatives"]
+)
+def test_published_permutation_in_blocks_of_few_rows_is_unchanged(name, monkeypatch):
+    z1, z2, quantile = PUBLISHED_SETS[name]
+    expected = literal_published(z1, z2, quantile)
+    for elements in (1, 20 * len(z1) + 5, 70 * len(z1)):  # blocks of 10, 20 and 70 rows
+        monkeypatch.setattr(gcbs, "BLOCK_ELEMENTS", elements)
+        assert torch.equal(published_permutation(z1, z2, quantile), expected)
+
+
+@pytest.mark.parametrize("name", ["tight cluster first", "one chunk away"])
+def test_a_block_whose_bound_misses_or_keeps_too_many_is_computed_again(name, monkeypatch):
+    z1, z2, quantile = PUBLISHED_SETS[name]
+    calls, at_least = [], gcbs._at_least
+
+    def counted(block, bound):
+        calls.append(bound)
+        return at_least(block, bound)
+
+    monkeypatch.setattr(gcbs, "_at_least", counted)
+    monkeypatch.setattr(gcbs, "BLOCK_ELEMENTS", 50 * len(z1))  # 16 blocks of 50 rows
+    assert torch.equal(published_permutation(z1, z2, quantile), literal_published(z1, z2, quantile))
+    assert len(calls) == 17  # one block twice
+
+
+@pytest.mark.parametrize(
+    "m, quantile", [(10, 0.999), (51, 0.123), (37, 0.5), (1000, 0.37), (4001, 0.999), (3, 0.0)]
+)
+def test_chunk_quantiles_equal_torch_quantile_bitwise(m, quantile):
+    chunks = torch.randn(25, m, generator=torch.Generator().manual_seed(m))
+    chunks[5] = chunks[5].round()  # ties
+    # the rank's fraction (torch's lerp weight) lies below 0.5, above it, or is 0
+    expected = torch.stack([torch.quantile(row, quantile) for row in chunks])
+    assert torch.equal(gcbs._chunk_quantiles(chunks, quantile), expected)
+
+
+@pytest.mark.parametrize("quantile", [1.5, -0.1, float("nan")])
+def test_published_permutation_refuses_a_quantile_outside_the_unit_interval(quantile):
+    with pytest.raises(ValueError, match="quantile must lie in"):
+        published_permutation(torch.randn(10, 4), torch.randn(10, 4), quantile)
 
 
 # ------------------------------------------------------------------------- threshold and order
