@@ -179,7 +179,8 @@ def launch(
     (torchrun's engine), each in a process group of `backend` ("gloo"; "nccl": one GPU per rank):
     rank 0's return value. `target`: a module-level function or "module:function" that child
     processes can import (put a notebook's in gcbs_lib). `timeout`: seconds a rank may wait in a
-    collective (None: no limit); `echo`: print the ranks' output live. A rank that raises stops the
+    collective (None: torch's default, 30 minutes, so a hung rank fails the job rather than holding
+    the node); `echo`: print the ranks' output live. A rank that raises stops the
     job: LaunchError names it, with its traceback."""
     if isinstance(target, str):
         module, _, name = target.partition(":")
@@ -236,9 +237,8 @@ def _run_rank(target: Callable, args: dict, backend: str, timeout: float | None)
         torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(
-        backend, timeout=timedelta(seconds=timeout) if timeout else timedelta(days=365)
-    )
+    limit = timedelta(seconds=timeout) if timeout else dist.default_pg_timeout
+    dist.init_process_group(backend, timeout=limit)
     # a rank that raises exits holding its group, so its error file is written first
     result = target(**args)
     # free DDP reducers (held in reference cycles) while their process group still exists

@@ -75,12 +75,24 @@ def encode_in_chunks(encoder: Callable, batch, chunk_size: int) -> torch.Tensor:
     """`encoder` chunk by chunk with a graph: `cached_loss`'s dropout masks (from one RNG state),
     one whole graph."""
     n = batch_length(batch)
-    return torch.cat(
+    return joined(
         [
             encoder(slice_batch(batch, start, start + chunk_size))
             for start in range(0, n, chunk_size)
         ]
     )
+
+
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Chunks' embeddings stacked along dim 0, zero-padded to the longest in each later dim (token
+    vectors of chunks padded to different lengths)."""
+    shape = [max(sizes) for sizes in zip(*(part.shape[1:] for part in parts))]
+    out = parts[0].new_zeros(sum(len(part) for part in parts), *shape)
+    start = 0
+    for part in parts:
+        out[(slice(start, start + len(part)), *map(slice, part.shape[1:]))] = part
+        start += len(part)
+    return out
 
 
 @dataclass
@@ -92,6 +104,7 @@ class _Chunk:
     inputs: Any
     rows: slice
     rng: RandContext | None = None
+    kept: torch.Tensor | None = None  # the last chunk's embeddings with their graph: no replay
 
 
 def cached_loss(
@@ -104,6 +117,11 @@ def cached_loss(
     per module per call. Use `loss.backward()`, not `torch.autograd.grad` (the encoders' gradients
     come from replays that autograd does not see)."""
     chunks, cached = _chunks(encoders, batches, chunk_size), []
+    # the last chunk keeps its graph (one replay fewer), unless no backward will come or DDP would
+    # see its forward before the replays' (DDP reduces after a module's last backward)
+    last = chunks[-1]
+    if torch.is_grad_enabled() and not isinstance(last.encoder, DistributedDataParallel):
+        last.kept = last.inputs
     # step 1: each chunk without a graph, under an RNG state saved for its replay
     for chunk in chunks:
         parameters = (
@@ -112,10 +130,13 @@ def cached_loss(
         chunk.rng = RandContext(
             *{t.device: t for t in _tensors(chunk.inputs) + parameters}.values()
         )
-        with torch.no_grad():
-            cached.append(_checked(chunk.encoder(chunk.inputs), chunk))
+        with torch.set_grad_enabled(chunk.kept is not None):
+            z = _checked(chunk.encoder(chunk.inputs), chunk)
+        if chunk.kept is not None:
+            chunk.kept = z
+        cached.append(z.detach())
     embeddings = [
-        torch.cat([z for z, c in zip(cached, chunks) if c.branch == b]) for b in range(len(batches))
+        joined([z for z, c in zip(cached, chunks) if c.branch == b]) for b in range(len(batches))
     ]
     # makes autograd record the Function; it carries no gradient
     anchor = torch.empty(0, requires_grad=True)
@@ -139,8 +160,13 @@ class _CachedEmbeddings(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         last_use = {id(chunk.encoder): k for k, chunk in enumerate(ctx.chunks)}
-        # step 3: replay each chunk with a graph, back-propagate its ∂L/∂z
-        for k, chunk in enumerate(ctx.chunks):
+        # step 3: replay each chunk with a graph, back-propagate its ∂L/∂z; the kept chunk first,
+        # so its graph is freed before the replays build theirs
+        last, kept = ctx.chunks[-1], ctx.chunks[-1].kept
+        last.kept = None  # a second backward (retain_graph=True) replays it like the others
+        if kept is not None:
+            kept.backward(grads[last.branch][(last.rows, *map(slice, kept.shape[1:]))])
+        for k, chunk in enumerate(ctx.chunks[: len(ctx.chunks) - (kept is not None)]):
             with contextlib.ExitStack() as stack:
                 if (
                     isinstance(chunk.encoder, DistributedDataParallel)
@@ -153,8 +179,8 @@ class _CachedEmbeddings(torch.autograd.Function):
                     stack.enter_context(torch.autocast(device, dtype=dtype))
                 with torch.enable_grad():
                     z = chunk.encoder(chunk.inputs)
-                if z.requires_grad:
-                    z.backward(grads[chunk.branch][chunk.rows])
+                if z.requires_grad:  # ∂L/∂z without the padding `joined` added
+                    z.backward(grads[chunk.branch][(chunk.rows, *map(slice, z.shape[1:]))])
         return (None, None, None) + (None,) * len(grads)
 
 

@@ -1,8 +1,9 @@
-"""Contrastive losses: InfoNCE (hard negatives, symmetric, a learnable logit scale), its per-rank
-share, MIL-NCE. InfoNCE: L = −(1/B) Σ_i log( exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) ), S the query ×
-document scores, s the logit scale (1/temperature), p(i) the column of query i's positive: in-batch
-documents are the negatives. With k hard negatives per query the documents come as `[pos_0, neg_0_1,
-…, neg_0_k, pos_1, …]`, so p(i) = i·(k+1)."""
+"""Contrastive losses: InfoNCE (hard negatives, symmetric, a learnable logit scale, one vector per
+text or ColBERT's late interaction of token vectors), its per-rank share, MIL-NCE. InfoNCE: L =
+−(1/B) Σ_i log( exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) ), S the query × document scores, s the logit
+scale (1/temperature), p(i) the column of query i's positive: in-batch documents are the negatives.
+With k hard negatives per query the documents come as `[pos_0, neg_0_1, …, neg_0_k, pos_1, …]`, so
+p(i) = i·(k+1)."""
 
 import math
 from typing import Callable, Union
@@ -37,13 +38,24 @@ class LogitScale(nn.Module):
         self.log_scale.clamp_(0.0, self.max_log_scale)
 
 
+def similarity(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """Scores [Q, N]: dot products of vectors [Q, D] and [N, D]; for token vectors [Q, T, D] and
+    [N, U, D], ColBERT's late interaction S_qn = Σ_t max_u <q_t, d_u>, where all-zero token vectors
+    are padding (a padded query token adds 0; a padded document token is never the max)."""
+    if queries.dim() == 2:
+        return queries @ docs.T
+    tokens = torch.einsum("qtd,nud->qntu", queries, docs)
+    padding = (docs == 0).all(dim=-1)
+    return tokens.masked_fill(padding[None, :, None, :], -math.inf).amax(dim=-1).sum(dim=-1)
+
+
 def info_nce(
     query: torch.Tensor, docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False
 ) -> torch.Tensor:
-    """InfoNCE over dot products of `query [B, D]` and `docs [B·(1+k), D]` (k hard negatives per
-    query). `scale`: a number, a tensor or a callable such as `LogitScale` (20 suits unit-norm
-    embeddings: temperature 0.05). `symmetric=True` averages with the document→query direction over
-    the positive documents (CLIP)."""
+    """InfoNCE over the `similarity` of `query [B, D]` and `docs [B·(1+k), D]` (k hard negatives per
+    query; [B, T, D] token vectors for late interaction). `scale`: a number, a tensor or a callable
+    such as `LogitScale` (20 suits unit-norm embeddings: temperature 0.05). `symmetric=True`
+    averages with the document→query direction over the positive documents (CLIP)."""
     return rank_info_nce(query, docs, scale, symmetric, rank=0, world_size=1)
 
 
@@ -60,10 +72,10 @@ def rank_info_nce(
     queries). The mean of L_r over ranks is `info_nce(all_queries, all_docs, scale, symmetric)`.
     Rank and world size default to this process's."""
     require(
-        all_queries.dim() == all_docs.dim() == 2 and all_queries.shape[1] == all_docs.shape[1],
-        f"embedding "
-        f"sizes differ or are not [rows, D]: queries {tuple(all_queries.shape)}, documents "
-        f"{tuple(all_docs.shape)}",
+        all_queries.dim() == all_docs.dim() in (2, 3)
+        and all_queries.shape[-1] == all_docs.shape[-1],
+        f"embedding sizes differ or are not [rows, D] (or [rows, tokens, D]): queries "
+        f"{tuple(all_queries.shape)}, documents {tuple(all_docs.shape)}",
     )
     own_rank, own_world_size = rank_and_world_size()
     rank = own_rank if rank is None else rank
@@ -78,9 +90,10 @@ def rank_info_nce(
     )
     group, b, s = m // n, n // world_size, scale() if callable(scale) else scale
     own = torch.arange(rank * b, (rank + 1) * b, device=all_queries.device)
-    loss = F.cross_entropy(all_queries[own] @ all_docs.T * s, own * group)
+    loss = F.cross_entropy(similarity(all_queries[own], all_docs) * s, own * group)
     if symmetric:
-        loss = (loss + F.cross_entropy(all_docs[own * group] @ all_queries.T * s, own)) / 2
+        backward = similarity(all_docs[own * group], all_queries)
+        loss = (loss + F.cross_entropy(backward * s, own)) / 2
     return loss
 
 

@@ -7,14 +7,16 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from gcbs_lib import gradcache
 from gcbs_lib.check import relative_error, tolerance
+from gcbs_lib.distributed import gather_with_grad, launch, rank_and_world_size
 from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks
-from gcbs_lib.losses import LogitScale, info_nce
+from gcbs_lib.losses import LogitScale, info_nce, rank_info_nce, similarity
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 
 BATCH, LENGTH, VOCAB = 6, 10, 50
@@ -154,7 +156,7 @@ def test_dropout_is_active_so_two_train_mode_forwards_differ():
 
 def test_replayed_chunk_embeddings_are_bitwise_equal_to_the_first_pass():
     first, replays = first_pass_and_replays(make_setup(dropout=0.1), chunk_size=4)
-    assert len(first) == len(replays) == 4
+    assert len(first) == 4 and len(replays) == 3  # the last chunk kept its graph
     assert all(torch.equal(f, r) for f, r in zip(first, replays))
 
 
@@ -424,17 +426,17 @@ def count_calls(encoders):
 
 
 @pytest.mark.parametrize("chunk_size, chunks", [(4, 4), (BATCH, 2), (1, 2 * BATCH)])
-def test_every_chunk_is_encoded_once_and_replayed_once(chunk_size, chunks):
+def test_every_chunk_is_encoded_once_and_all_but_the_kept_last_replayed_once(chunk_size, chunks):
     setup = make_setup(dropout=0.1)
     calls, handles = count_calls(setup.encoder_list())
     loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, chunk_size)
     first_pass = len(calls)
     setup.grads_of(loss)
     [h.remove() for h in handles]
-    assert (first_pass, len(calls) - first_pass) == (chunks, chunks)
+    assert (first_pass, len(calls) - first_pass) == (chunks, chunks - 1)
 
 
-def test_until_its_backward_a_call_holds_no_encoder_graph():
+def test_until_its_backward_a_call_holds_the_last_chunks_graph_only():
     setup = make_setup()
     outputs = []
     handle = setup.encoders[1].register_forward_hook(
@@ -442,7 +444,18 @@ def test_until_its_backward_a_call_holds_no_encoder_graph():
     )
     loss = cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
     handle.remove()
-    assert loss.requires_grad and not any(output.requires_grad for output in outputs)
+    assert loss.requires_grad and [output.requires_grad for output in outputs] == [False, True]
+
+
+def test_under_ddp_every_chunk_is_replayed_and_none_kept(one_rank_group):
+    setup = make_setup()
+    ddp = [DistributedDataParallel(e) for e in setup.encoders]
+    calls, handles = count_calls(ddp)
+    loss = cached_loss(setup.loss_fn, ddp, setup.batches, 4)
+    first_pass = len(calls)
+    setup.grads_of(loss)
+    [h.remove() for h in handles]
+    assert (first_pass, len(calls) - first_pass) == (4, 4)
 
 
 def test_the_random_stream_after_a_step_is_where_the_same_mask_reference_leaves_it():
@@ -491,3 +504,85 @@ def test_ddp_runs_one_allreduce_per_module_per_call(one_rank_group, shared, chun
     grads = setup.grads_of(cached_loss(setup.loss_fn, encoders, setup.batches, chunk_size))
     assert [len(counts) for _, counts in wrapped] == [1] * len(wrapped)
     assert max_relative_error(grads, reference) <= 1e-12
+
+
+# ------------------------------------------------------------------ late interaction (ColBERT)
+
+
+class TokenVectors(nn.Module):
+    """A multi-vector encoder as ColBERT's: one unit vector per real token, each chunk padded with
+    zero vectors to its own longest text, so chunks come back with different lengths."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.mix = nn.Linear(dim, dim)
+
+    def forward(self, batch):
+        length = int(batch["attention_mask"].sum(dim=1).max())
+        vectors = self.mix(self.embed(batch["input_ids"][:, :length]))
+        return F.normalize(vectors, dim=-1) * batch["attention_mask"][:, :length, None]
+
+
+def late_interaction_setup(n: int = 2 * BATCH, seed: int = 0):
+    torch.manual_seed(seed)
+    encoder = TokenVectors().double()
+    generator = torch.Generator().manual_seed(seed)
+    queries, docs = (random_token_batch(n, LENGTH, VOCAB, generator) for _ in "qd")
+    return encoder, queries, docs
+
+
+def test_late_interaction_scores_sum_each_query_tokens_best_match_and_skip_padding():
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]])  # two tokens and a padded one
+    d = torch.tensor(
+        [[[0.6, 0.8], [-1.0, 0.0], [0.0, 0.0]], [[-0.6, -0.8], [0.0, 0.0], [0.0, 0.0]]]
+    )
+    # query 0 vs doc 0: max(0.6, -1) + max(0.8, 0) = 1.4; vs doc 1 only -0.6 and -0.8 count
+    assert torch.allclose(similarity(q, d), torch.tensor([[1.4, -1.4]]))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 2 * BATCH])
+def test_late_interaction_through_gradcache_gives_the_full_batch_gradients(chunk_size):
+    encoder, queries, docs = late_interaction_setup()
+    lengths = [
+        int(queries["attention_mask"][s : s + chunk_size].sum(dim=1).max())
+        for s in range(0, 2 * BATCH, chunk_size)
+    ]
+    assert chunk_size == 2 * BATCH or len(set(lengths)) > 1  # the chunks really differ
+    full = info_nce(encoder(queries), encoder(docs))
+    full.backward()
+    reference = [p.grad.clone() for p in encoder.parameters()]
+    encoder.zero_grad()
+    cached = cached_loss(info_nce, encoder, [queries, docs], chunk_size)
+    cached.backward()
+    assert relative_error(cached, full) <= 1e-12
+    for ours, truth in zip([p.grad for p in encoder.parameters()], reference):
+        assert relative_error(ours, truth) <= 1e-12
+
+
+def late_interaction_on_ranks(chunk_size: int) -> list:
+    """A `launch` target: this rank's shard of the pairs through GradCache over a DDP token-vector
+    encoder, loss = its share of InfoNCE over the gathered embeddings; the averaged gradients."""
+    rank, world_size = rank_and_world_size()
+    encoder, queries, docs = late_interaction_setup()
+    share = len(queries["input_ids"]) // world_size
+    mine = [
+        {k: v[rank * share : (rank + 1) * share] for k, v in b.items()} for b in (queries, docs)
+    ]
+    ddp = DistributedDataParallel(encoder)
+
+    def rank_loss(q, d):
+        # every rank pads its token vectors to the longest text of all (gather needs one shape)
+        q, d = (F.pad(z, (0, 0, 0, LENGTH - z.shape[1])) for z in (q, d))
+        return rank_info_nce(gather_with_grad(q), gather_with_grad(d))
+
+    cached_loss(rank_loss, ddp, mine, chunk_size).backward()
+    return [p.grad for p in encoder.parameters()]
+
+
+def test_late_interaction_through_gradcache_across_two_gloo_ranks_gives_the_full_batch_gradients():
+    encoder, queries, docs = late_interaction_setup()
+    info_nce(encoder(queries), encoder(docs)).backward()
+    ranked = launch(late_interaction_on_ranks, nproc=2, args={"chunk_size": 4}, echo=False)
+    for ours, truth in zip(ranked, [p.grad for p in encoder.parameters()]):
+        assert relative_error(ours, truth) <= 1e-12
