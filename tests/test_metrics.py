@@ -214,13 +214,13 @@ def test_knn_accuracy_counts_correct_queries_in_blocks():
             torch.tensor([0, 1]),
             "no features to score",
         ),
-        (torch.ones(1, 2), torch.tensor([0.0]), torch.tensor([0, 1]), "class indices"),
-        (torch.ones(1, 2), torch.tensor([0]), torch.tensor([0, -1]), "class indices"),
+        (torch.ones(1, 2), torch.tensor([0.0]), torch.tensor([0, 1]), "labels must be integer"),
+        (torch.ones(1, 2), torch.tensor([0]), torch.tensor([0, -1]), "bank_labels must be class"),
         (
             torch.tensor([[float("nan"), 1.0]]),
             torch.tensor([0]),
             torch.tensor([0, 1]),
-            "not finite",
+            "features are not finite",
         ),
     ],
 )

@@ -6,7 +6,7 @@ import torch
 
 from gcbs_lib.check import relative_error
 from gcbs_lib.distributed import launch
-from gcbs_lib.experiments.milnce import MilNce, MilNceOptions, gradient_check
+from gcbs_lib.experiments.milnce import MilNce, gradient_check
 from gcbs_lib.seeding import generator
 from gcbs_lib.train import load_config, train
 
@@ -25,7 +25,7 @@ TINY = {
 def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
     options = {**TINY, "data_dir": str(tmp_path)}
     single = gradient_check(options, batch_size=16)
-    experiment = MilNce(MilNceOptions(**options), seed=0, device="cpu")
+    experiment = MilNce(MilNce.Options(**options), seed=0, device="cpu")
     experiment.load_data()
     order = torch.randperm(
         len(experiment.bags["clip_video"]), generator=generator(0, 0, "shuffle")

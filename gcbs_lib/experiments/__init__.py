@@ -1,62 +1,100 @@
-"""The experiments `gcbs_lib.train` trains, by name: one module each, with a subclass of
-`Experiment` defining `Options` (a dataclass: its config keys), `dev_metric` (the `evaluate(model,
-"dev")` key whose best model is kept), `data_name`, `model_name` (of result rows), `load_data() ->
-TrainSet`, `build_model()`, `collate(indices, negatives=None) -> Batch`, `loss(embeddings, batch,
-scale)` (rank r's share of the global loss over embeddings gathered with `gather_with_grad`:
-notebook 02), `pair_embeddings(model, indices) -> (z1, z2)` (what GCBS and mining compare) and
-`evaluate(model, split) -> dict` (rank 0 only; both in eval mode, without gradients)."""
+"""The experiments `gcbs_lib.train` trains, by name: one module each, subclassing `Experiment`."""
 
 import importlib
-from collections.abc import Hashable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
+# name → module:class in this package
 EXPERIMENTS = {
     "codesearch": "codesearch:CodeSearch",
     "simcse": "simcse:SimCSE",
     "promcse": "promcse:PromCSE",
-    # name → module:class in this package
     "milnce": "milnce:MilNce",
     "moco": "moco:MoCo",
 }
 
 
 class TrainSet(NamedTuple):
-    """Training items 0 … size−1; items with equal `duplicate_keys` are never one another's
-    negatives."""
+    """Training items 0 … size−1; two of equal `duplicate_keys` are never each other's negatives."""
 
     size: int
     duplicate_keys: Sequence[Hashable] | None = None
 
 
 class Batch(NamedTuple):
-    """This rank's rows of a step: `inputs`, one per branch; `extra` (read only), whatever else the
-    loss needs."""
+    """This rank's rows of a step: `inputs` per branch; `extra`, more loss inputs (read only)."""
 
     inputs: list
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] | None = None
 
 
-class Experiment:
-    """The defaults: no mined negatives, two branches through the whole model (the trainer wraps
-    each distinct branch module in DDP), nothing to do after an optimizer step (MoCo's momentum
-    update goes there)."""
+class Experiment(ABC):
+    """What `gcbs_lib.train` calls. A subclass sets `Options` (a dataclass: its config keys),
+    `dev_metric` (the `evaluate(model, "dev")` key that picks the best model), `data_name` and
+    `model_name` (of result rows), and defines the abstract hooks. The trainer runs
+    `pair_embeddings` and `evaluate` in eval mode, without gradients."""
 
-    supports_mining = False
+    Options: type
+    dev_metric: str
+    data_name: str
+    model_name: str
+    supports_mining = False  # collate takes mined `negatives`
 
     def __init__(self, options, *, seed: int, device):
         self.options, self.seed, self.device = options, seed, torch.device(device)
 
-    def branches(self, model):
+    @abstractmethod
+    def load_data(self) -> TrainSet:
+        """Reads (or builds) the data: the training items, and what `evaluate` scores."""
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """The model to train (the trainer moves it to its device and dtype)."""
+
+    @abstractmethod
+    def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
+        """The batch of training items `indices`, with their mined `negatives` when given."""
+
+    @abstractmethod
+    def loss(self, embeddings: Sequence[torch.Tensor], batch: Batch, scale) -> torch.Tensor:
+        """Rank r's share of the global loss over the branches' embeddings (notebook 02)."""
+
+    @abstractmethod
+    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
+        """Two embeddings `(z1, z2)` of each item: what GCBS and mining compare."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        """The scores of `split` ("dev" or "test"), on rank 0 only."""
+
+    def branches(self, model: nn.Module) -> list[nn.Module]:
+        """The module of each branch; the trainer wraps each distinct one in DDP."""
         return [model, model]
 
-    def after_step(self, model):
-        pass
+    def after_step(self, model: nn.Module) -> None:
+        """Runs after each optimizer step, without gradients (MoCo's momentum update)."""
+        return None
 
 
-# every tensor in `value` (and in its dicts, lists, tuples) moved to `device`
+@torch.no_grad()
+def embed_in_batches(model: nn.Module, batches: Iterable, device) -> torch.Tensor:
+    """`model` of each of `batches` (moved to `device`), concatenated: without gradients, in eval
+    mode (each module's mode restored after)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        return torch.cat([model(to_device(batch, device)) for batch in batches])
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def to_device(value, device):
+    """Every tensor in `value` (and in its dicts, lists, tuples) moved to `device`."""
     if isinstance(value, (list, tuple)):
         return type(value)(to_device(v, device) for v in value)
     if isinstance(value, dict):

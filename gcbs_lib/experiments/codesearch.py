@@ -17,40 +17,28 @@ from gcbs_lib.check import require
 from gcbs_lib.data import data_root, run_data_script
 from gcbs_lib.data.codesearch import load, retrieval_task
 from gcbs_lib.distributed import gather_with_grad
-from gcbs_lib.experiments import Batch, Experiment, TrainSet, to_device
+from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches, to_device
 from gcbs_lib.losses import rank_info_nce
 from gcbs_lib.metrics import mrr, recall_at, retrieval_ranks
-from gcbs_lib.models import text_encoder
+from gcbs_lib.models import MODEL_NAMES, text_encoder
 from gcbs_lib.seeding import fixed_subset
 
-CSN = (
-    "train.jsonl",
-    {"dev": ("valid.jsonl", "codebase.jsonl"), "test": ("test.jsonl", "codebase.jsonl")},
-)
-# each split its own pool
-ADVTEST = ("train.jsonl", {"dev": ("valid.jsonl", None), "test": ("test.jsonl", None)})
-# data → (folder under <data_root>/codesearch, train file, {split: (query file, pool file)})
+# {split: (query file, pool file)}; AdvTest's: each split its own pool
+CSN = {"dev": ("valid.jsonl", "codebase.jsonl"), "test": ("test.jsonl", "codebase.jsonl")}
+ADVTEST = {"dev": ("valid.jsonl", None), "test": ("test.jsonl", None)}
+COSQA = {
+    split: (f"cosqa-retrieval-{split}-500.json", "code_idx_map.txt") for split in ("dev", "test")
+}
+# data → (folder under <data_root>/codesearch, train file, splits)
 FILES = {
-    "cosqa": (
-        "cosqa",
-        "cosqa-retrieval-train-19604.json",
-        {
-            split: (f"cosqa-retrieval-{split}-500.json", "code_idx_map.txt")
-            for split in ("dev", "test")
-        },
-    ),
-    "advtest": ("AdvTest", *ADVTEST),
-    "csn": ("CSN/{language}", *CSN),
-    "stdlib-csn": ("stdlib-csn", *CSN),
-    "stdlib-advtest": ("stdlib-advtest", *ADVTEST),
+    "cosqa": ("cosqa", "cosqa-retrieval-train-19604.json", COSQA),
+    "advtest": ("AdvTest", "train.jsonl", ADVTEST),
+    "csn": ("CSN/{language}", "train.jsonl", CSN),
+    "stdlib-csn": ("stdlib-csn", "train.jsonl", CSN),
+    "stdlib-advtest": ("stdlib-advtest", "train.jsonl", ADVTEST),
 }
-NAMES = {
-    "stdlib-csn": "stdlib-docstrings",
-    "stdlib-advtest": "stdlib-docstrings-advtest",
-    # the `data` and `model` of result rows
-    "tiny": "tiny-text-encoder",
-    "minilm": "all-MiniLM-L6-v2",
-}
+# the `data` of result rows (real data: "paper")
+DATA_NAMES = {"stdlib-csn": "stdlib-docstrings", "stdlib-advtest": "stdlib-docstrings-advtest"}
 
 
 class CodeSearch(Experiment):
@@ -62,10 +50,8 @@ class CodeSearch(Experiment):
         data_root: str | None = None  # default: gcbs_lib.data.data_root()
         language: str = "python"  # CodeSearchNet language folder
         train_limit: int | None = None  # train on a fixed random subset of this many pairs
-        # score this many dev/test queries (fixed subset); the pool stays whole
-        eval_limit: int | None = None
-        # tiny | minilm | a Hugging Face name or path (microsoft/unixcoder-base)
-        encoder: str = "tiny"
+        eval_limit: int | None = None  # dev/test queries to score (fixed subset); pool stays whole
+        encoder: str = "tiny"  # tiny | minilm | a Hugging Face model (microsoft/unixcoder-base)
         prefix: str | None = None  # UniXcoder's mode token "<encoder-only>"
         dropout: float | None = None  # None: the encoder's own
         query_length: int = 128  # UniXcoder's nl_length
@@ -76,23 +62,17 @@ class CodeSearch(Experiment):
 
     dev_metric = "mrr"
     supports_mining = True
-    data_name = property(lambda self: NAMES.get(self.options.data, "paper"))
-    model_name = property(lambda self: NAMES.get(self.options.encoder, self.options.encoder))
+    data_name = property(lambda self: DATA_NAMES.get(self.options.data, "paper"))
+    model_name = property(lambda self: MODEL_NAMES.get(self.options.encoder, self.options.encoder))
 
     def load_data(self) -> TrainSet:
-        """The training pairs, and each split's queries and pool (read now: pool problems show
-        before training)."""
+        """The training pairs and each split's queries and pool (pool problems show right away)."""
         o = self.options
         require(o.data in FILES, f"data must be one of {sorted(FILES)}, got {o.data!r}")
         root = data_root(o.data_root)
         if o.data.startswith("stdlib-"):
-            run_data_script(
-                "build_codesearch_standin.py",
-                "--root",
-                root,
-                "--variant",
-                o.data.removeprefix("stdlib-"),
-            )
+            variant = o.data.removeprefix("stdlib-")
+            run_data_script("build_codesearch_standin.py", "--root", root, "--variant", variant)
         name, train, splits = FILES[o.data]
         folder = root / "codesearch" / name.format(language=o.language)
         pairs = load(folder / train)  # refused when empty
@@ -103,8 +83,7 @@ class CodeSearch(Experiment):
             if task.missing or task.repeated:
                 print(
                     f"{split}: {task.missing} queries with no pool key (scored 0), "
-                    f"{task.repeated} repeated keys "
-                    f"(first kept)"
+                    f"{task.repeated} repeated keys (first kept)"
                 )
             keep = fixed_subset(len(task.queries), o.eval_limit, f"{split}-subset")
             self.tasks[split] = task._replace(
@@ -126,33 +105,23 @@ class CodeSearch(Experiment):
         return self.encoder
 
     def tokens(self, texts: Sequence[str], side: str) -> dict:
-        """Encoder inputs of queries (`side` "query") or code ("code"), each cut to its side's
-        length."""
-        return self.encoder.tokenize(
-            texts, self.options.query_length if side == "query" else self.options.code_length
-        )
+        """Encoder inputs of `side` "query" or "code" texts, each cut to its side's length."""
+        length = self.options.query_length if side == "query" else self.options.code_length
+        return self.encoder.tokenize(texts, length)
 
     def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
-        """Queries of `indices`, and their code, each followed by its mined negative's code when
-        given."""
-        codes = (
-            list(indices)
-            if negatives is None
-            else [k for pair in zip(indices, negatives) for k in pair]
-        )
-        return Batch(
-            [
-                self.tokens([self.train[i]["query"] for i in indices], "query"),
-                self.tokens([self.train[k]["code"] for k in codes], "code"),
-            ]
-        )
+        """Queries of `indices` and their code, each followed by its mined negative's if given."""
+        codes = list(indices)
+        if negatives is not None:
+            codes = [k for pair in zip(indices, negatives) for k in pair]
+        queries = self.tokens([self.train[i]["query"] for i in indices], "query")
+        code = self.tokens([self.train[k]["code"] for k in codes], "code")
+        return Batch([queries, code])
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
         return rank_info_nce(*map(gather_with_grad, embeddings), scale)
 
-    def pair_embeddings(
-        self, model: nn.Module, indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
         return tuple(
             model(to_device(inputs, self.device))
             for inputs in self.collate(indices.tolist()).inputs
@@ -160,31 +129,26 @@ class CodeSearch(Experiment):
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """MRR (0 beyond rank 1000), R@1 and R@10 of the split's queries against its whole pool."""
-        task, size = self.tasks[split], self.options.eval_batch_size
-        queries, pool = (
-            torch.cat(
-                [
-                    model(to_device(self.tokens(texts[i : i + size], side), self.device))
-                    .float()
-                    .cpu()
-                    for i in range(0, len(texts), size)
-                ]
-            )
-            for texts, side in ((task.queries, "query"), (task.codes, "code"))
-        )
-        ranks = retrieval_ranks(queries, pool, task.positive.clamp(0)).masked_fill(
-            task.positive < 0, 1001 + len(pool)
-        )
+        task = self.tasks[split]
+        queries = self.embed(model, task.queries, "query")
+        pool = self.embed(model, task.codes, "code")
+        ranks = retrieval_ranks(queries, pool, task.positive.clamp(0))
+        ranks = ranks.masked_fill(task.positive < 0, 1001 + len(pool))  # no match: scored 0
         return {
             "mrr": mrr(ranks, cutoff=1000),
             "recall@1": recall_at(ranks, 1),
             "recall@10": recall_at(ranks, 10),
         }
 
+    def embed(self, model: nn.Module, texts: list[str], side: str) -> torch.Tensor:
+        """Evaluation embeddings of `texts` (float32, on the CPU), `eval_batch_size` at a time."""
+        size = self.options.eval_batch_size
+        batches = (self.tokens(texts[i : i + size], side) for i in range(0, len(texts), size))
+        return embed_in_batches(model, batches, self.device).float().cpu()
+
 
 def duplicate_groups(pairs: list[dict]) -> list[int]:
-    """A group id per pair: the connected components of "same query or same code" (whitespace
-    ignored)."""
+    """A group id per pair: components of "same query or same code" (whitespace ignored)."""
     texts: dict[tuple, int] = {}
     nodes = [
         texts.setdefault((side, *p[side].split()), len(pairs) + len(texts))

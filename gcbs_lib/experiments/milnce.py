@@ -32,42 +32,18 @@ from gcbs_lib.distributed import (
     rank_and_world_size,
     rank_difference,
 )
-from gcbs_lib.experiments import Batch, Experiment, TrainSet, to_device
+from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches, to_device
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import mil_nce
 from gcbs_lib.metrics import median_rank, recall_at, retrieval_ranks
 from gcbs_lib.models import PAD_ID, HashingTokenizer
 from gcbs_lib.seeding import fixed_subset, generator, stream_seed
 
-
-@dataclass
-class MilNceOptions:
-    """The experiment's settings (profiles in gcbs_lib/configs/milnce.yaml)."""
-
-    # python-doc: the offline stand-in
-    source: Literal["planted", "python-doc", "howto100m"] = "planted"
-    data_dir: str | None = None  # default: <data root>/howto100m/<source name>
-    bag_size: int = 3  # K ≥ 1 captions per clip
-    # mil_nce form: "v2t" (the article's) or "both" (the official code's)
-    direction: str = "both"
-    # stream the MIL-NCE denominators this many columns at a time
-    loss_chunk_size: int | None = None
-    embed_dim: int = 64
-    word_dim: int = 64
-    hidden_dim: int = 128
-    vocab_size: int = 4096
-    max_words: int = 20
-    eval_fraction: float = 0.2  # of the videos for dev, and as many for test (< 0.5)
-    # score a fixed subset of this many clips per split (None: all)
-    eval_clips: int | None = None
-    planted_videos: int = 120
-    planted_sigma: float = 0.0  # seconds of caption misalignment in planted data
-    planted_dim: int = 32  # feature width per stream of planted data (real: 2048)
+NAMES = {"python-doc": "python3.11-doc", "howto100m": "paper"}  # planted: planted-sigma<σ>
 
 
 class SentenceHead(nn.Module):
-    """The official MIL-NCE sentence model on word ids: embedding → linear → ReLU → max over words →
-    linear."""
+    """MIL-NCE's official sentence model: embedding → linear → ReLU → max over words → linear."""
 
     def __init__(self, vocab_size: int, word_dim: int, hidden_dim: int, embed_dim: int):
         super().__init__()
@@ -76,9 +52,8 @@ class SentenceHead(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = F.relu(self.fc1(self.words(batch["input_ids"])))
-        hidden = hidden.masked_fill(~batch["attention_mask"].bool()[..., None], float("-inf")).amax(
-            dim=1
-        )
+        padding = ~batch["attention_mask"].bool()[..., None]
+        hidden = hidden.masked_fill(padding, float("-inf")).amax(dim=1)
         return F.normalize(self.fc2(hidden), dim=-1)
 
 
@@ -96,68 +71,64 @@ def _positions(ids: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
 
 
 class MilNce(Experiment):
-    Options = MilNceOptions
+    """MIL-NCE on cached clip features (see the module docstring)."""
+
+    @dataclass
+    class Options:
+        source: Literal["planted", "python-doc", "howto100m"] = "planted"  # python-doc: offline
+        data_dir: str | None = None  # default: <data root>/howto100m/<source name>
+        bag_size: int = 3  # K ≥ 1 captions per clip
+        direction: str = "both"  # mil_nce form: "v2t" (the article's), "both" (the official code's)
+        loss_chunk_size: int | None = None  # denominators streamed this many columns at a time
+        embed_dim: int = 64
+        word_dim: int = 64
+        hidden_dim: int = 128
+        vocab_size: int = 4096
+        max_words: int = 20
+        eval_fraction: float = 0.2  # of the videos for dev, and as many for test (< 0.5)
+        eval_clips: int | None = None  # score a fixed subset of this many clips per split
+        planted_videos: int = 120
+        planted_sigma: float = 0.0  # seconds of caption misalignment in planted data
+        planted_dim: int = 32  # feature width per stream of planted data (real: 2048)
+
     dev_metric = "r10"
+    data_name = property(
+        lambda self: NAMES.get(self.options.source, f"planted-sigma{self.options.planted_sigma:g}")
+    )
+    model_name = property(lambda self: f"linear-video+maxpool-words-d{self.options.embed_dim}")
 
     def load_data(self) -> TrainSet:
-        """Rank 0 builds the data once (a stand-in's script, then `write_splits`); then every rank
-        memory-maps it."""
+        """Rank 0 builds the data once (a stand-in's script, `write_splits`); every rank maps it."""
         o, (rank, world_size) = self.options, rank_and_world_size()
         planted = f"planted-v{o.planted_videos}-s{o.planted_sigma:g}-d{o.planted_dim}"
-        self.root = (
-            data_root(o.data_dir, "data_dir", built_here=o.source != "howto100m")
-            if o.data_dir
-            else data_root() / "howto100m" / (planted if o.source == "planted" else o.source)
-        )
-        names = {
-            "planted": f"planted-sigma{o.planted_sigma:g}",
-            "python-doc": "python3.11-doc",
-            "howto100m": "paper",
-        }
-        self.data_name, self.model_name = (
-            names[o.source],
-            f"linear-video+maxpool-words-d{o.embed_dim}",
-        )
+        name = planted if o.source == "planted" else o.source
+        self.root = data_root() / "howto100m" / name
+        if o.data_dir:
+            self.root = data_root(o.data_dir, "data_dir", built_here=o.source != "howto100m")
         folder = self.root / f"bags-k{o.bag_size}"
+        flags = ["--videos", o.planted_videos, "--sigma", o.planted_sigma, "--dim", o.planted_dim]
         scripts = {
-            "planted": [
-                "howto100m_planted.py",
-                self.root,
-                "--videos",
-                o.planted_videos,
-                "--sigma",
-                o.planted_sigma,
-                "--dim",
-                o.planted_dim,
-            ],
+            "planted": ["howto100m_planted.py", self.root, *flags],
             "python-doc": ["howto100m_standin.py", self.root],
         }
         if rank == 0:
             if o.source in scripts and not (self.root / "manifest.json").exists():
                 run_data_script(*scripts[o.source])
-            build_once(
-                folder,
-                {"bag_size": o.bag_size, "eval_fraction": o.eval_fraction},
-                partial(write_splits, o, self.root),
-            )
+            settings = {"bag_size": o.bag_size, "eval_fraction": o.eval_fraction}
+            build_once(folder, settings, partial(write_splits, o, self.root))
         if world_size > 1:
             dist.barrier()
-        self.store, self.tokenize = (
-            FeatureStore(self.root),
-            HashingTokenizer(o.vocab_size, o.max_words),
-        )
+        self.store = FeatureStore(self.root)
+        self.tokenize = HashingTokenizer(o.vocab_size, o.max_words)
         self.bags = open_arrays(folder / "train")
         self.eval_sets = {split: open_arrays(folder / split) for split in ("dev", "test")}
         return TrainSet(len(self.bags["clip_video"]))
 
     def build_model(self) -> nn.Module:
         o, width = self.options, features_of(self.store, self.bags, np.arange(1)).shape[1]
-        return nn.ModuleDict(
-            {
-                "video": VideoHead(width, o.embed_dim),
-                "text": SentenceHead(o.vocab_size, o.word_dim, o.hidden_dim, o.embed_dim),
-            }
-        )
+        video = VideoHead(width, o.embed_dim)
+        text = SentenceHead(o.vocab_size, o.word_dim, o.hidden_dim, o.embed_dim)
+        return nn.ModuleDict({"video": video, "text": text})
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.video, model.text]
@@ -170,17 +141,14 @@ class MilNce(Experiment):
         captions = bags[bags >= 0].unique()
         tokens = self.tokenize([t.decode() for t in self.bags["caption_text"][captions.numpy()]])
         video = torch.from_numpy(features_of(self.store, self.bags, clips))
-        return Batch(
-            [video, tokens], {"caption_ids": captions, "bag_ids": bags, "exclude_ids": exclude}
-        )
+        extra = {"caption_ids": captions, "bag_ids": bags, "exclude_ids": exclude}
+        return Batch([video, tokens], extra)
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
         (video, text), ids = embeddings, batch.extra["caption_ids"]
-        all_video, all_text, all_ids = (
-            gather_with_grad(video),
-            gather_ragged(text),
-            gather_ragged(ids),
-        )
+        all_video = gather_with_grad(video)
+        all_text = gather_ragged(text)
+        all_ids = gather_ragged(ids)
         # a caption on several ranks: keep one copy
         captions, inverse = torch.unique(all_ids, return_inverse=True)
         first = torch.full_like(captions, len(all_ids)).scatter_reduce(
@@ -203,48 +171,34 @@ class MilNce(Experiment):
         # the mean over this rank's clips
         return losses.split(len(video))[rank_and_world_size()[0]].mean()
 
-    def pair_embeddings(
-        self, model: nn.Module, indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
         """Clip embeddings and the mean embedding of each clip's bag (what GCBS orders by)."""
         (video, tokens), extra = to_device(list(self.collate(indices.tolist())), self.device)
-        video, text, members = (
-            model.video(video),
-            model.text(tokens),
-            (extra["bag_ids"] >= 0)[..., None],
-        )
+        video, text = model.video(video), model.text(tokens)
+        members = (extra["bag_ids"] >= 0)[..., None]
         positions = _positions(extra["bag_ids"], extra["caption_ids"]).clamp(min=0)
         return video, (text[positions] * members).sum(1) / members.sum(1)
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Text → video retrieval on the split's clips: R@1/5/10 and median rank (ties
-        pessimistic)."""
+        """Text → video retrieval on the split's clips: R@1/5/10, median rank (ties pessimistic)."""
         data = self.eval_sets[split]
         rows = np.array(
             fixed_subset(len(data["clip_video"]), self.options.eval_clips, f"milnce-eval-{split}")
         )
-        video, text = [], []
-        for chunk in np.array_split(rows, -(-len(rows) // 1024)):  # embedded 1024 at a time
-            video.append(
-                model.video(torch.from_numpy(features_of(self.store, data, chunk)).to(self.device))
-            )
-            text.append(
-                model.text(
-                    to_device(self.tokenize([t.decode() for t in data["text"][chunk]]), self.device)
-                )
-            )
-        ranks = retrieval_ranks(
-            torch.cat(text), torch.cat(video), torch.arange(len(rows), device=self.device)
-        )
+        chunks = np.array_split(rows, -(-len(rows) // 1024))  # embedded 1024 at a time
+        features = (torch.from_numpy(features_of(self.store, data, c)) for c in chunks)
+        captions = (self.tokenize([t.decode() for t in data["text"][c]]) for c in chunks)
+        video = embed_in_batches(model.video, features, self.device)
+        text = embed_in_batches(model.text, captions, self.device)
+        ranks = retrieval_ranks(text, video, torch.arange(len(rows), device=self.device))
         return {
             **{f"r{k}": recall_at(ranks, k) for k in (1, 5, 10)},
             "median_rank": median_rank(ranks),
         }
 
 
-def write_splits(o: MilNceOptions, root: Path, folder: Path) -> dict:
-    """Training bags; dev/test queries: a planted segment's true caption, else the caption a clip's
-    bag grows from."""
+def write_splits(o: MilNce.Options, root: Path, folder: Path) -> dict:
+    """Training bags; dev/test queries: a planted segment's true caption, else a bag's anchor."""
     store = FeatureStore(root)
     # bad captions listed beside bad features
     captions = read_captions(caption_path(root), store.skipped)
@@ -261,17 +215,13 @@ def write_splits(o: MilNceOptions, root: Path, folder: Path) -> dict:
     }
     save_arrays(build_bags(captions, store, o.bag_size, split["train"], clips), folder / "train")
     for name in ("dev", "test"):
-        windows = (
-            {v: [segment["window"] for segment in truth[v]] for v in split[name]}
-            if truth
-            else clips
-        )
+        windows = clips
+        if truth:
+            windows = {v: [segment["window"] for segment in truth[v]] for v in split[name]}
         bags = build_bags(captions, store, 1, split[name], windows)
-        text = (
-            [segment["text"].encode() for v in bags["video_ids"] for segment in truth[v]]
-            if truth
-            else bags["caption_text"][bags["anchor"]]
-        )
+        text = bags["caption_text"][bags["anchor"]]
+        if truth:
+            text = [segment["text"].encode() for v in bags["video_ids"] for segment in truth[v]]
         save_arrays(
             {**{k: bags[k] for k in ("video_ids", "clip_video", "clip_window")}, "text": text},
             folder / name,
@@ -287,10 +237,9 @@ def gradient_check(
     chunk_size: int | None = None,
 ) -> dict:
     """One float64 step of DDP heads through GradCache on this rank's share of a seeded batch (a
-    torchrun target): the mean loss over ranks, the flat gradient and the largest gradient
-    difference between ranks (0.0: in sync)."""
+    torchrun target): mean loss over ranks, flat gradient, its `rank_difference` (0.0: in sync)."""
     rank, world_size = rank_and_world_size()
-    experiment = MilNce(MilNceOptions(**options), seed=seed, device="cpu")
+    experiment = MilNce(MilNce.Options(**options), seed=seed, device="cpu")
     size = experiment.load_data().size
     torch.manual_seed(stream_seed(seed, 0, "init"))
     model = experiment.build_model().double()
@@ -298,10 +247,8 @@ def gradient_check(
         DistributedDataParallel(m) if world_size > 1 else m for m in experiment.branches(model)
     ]
     part = batch_size // world_size
-    order = torch.randperm(size, generator=generator(seed, 0, "shuffle"))[
-        rank * part : (rank + 1) * part
-    ]
-    batch = experiment.collate(order.tolist())
+    order = torch.randperm(size, generator=generator(seed, 0, "shuffle"))
+    batch = experiment.collate(order[rank * part : (rank + 1) * part].tolist())
     loss = cached_loss(
         lambda *z: experiment.loss(z, batch, scale), branches, batch.inputs, chunk_size or part
     )

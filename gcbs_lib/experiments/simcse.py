@@ -23,18 +23,14 @@ from gcbs_lib.data.sts import (
     standin_file,
 )
 from gcbs_lib.distributed import gather_with_grad
-from gcbs_lib.experiments import Batch, Experiment, TrainSet, to_device
+from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches, to_device
 from gcbs_lib.losses import rank_info_nce
 from gcbs_lib.metrics import spearman
-from gcbs_lib.models import text_encoder
+from gcbs_lib.models import MODEL_NAMES, text_encoder
 from gcbs_lib.seeding import fixed_subset
 
-MODEL_NAMES = {"minilm": "all-MiniLM-L6-v2"}
-BUILT_MODELS = {
-    "tiny-bert": "build_tiny_bert.py",  # a random BERT, for CI
-    # a small BERT pretrained as a masked LM on the stand-in text
-    "mlm-bert": "build_mlm_bert.py",
-}
+# tiny-bert: a random BERT, for CI; mlm-bert: a small BERT pretrained as a masked LM on the stand-in
+BUILT_MODELS = {"tiny-bert": "build_tiny_bert.py", "mlm-bert": "build_mlm_bert.py"}
 
 
 class SimCSE(Experiment):
@@ -42,14 +38,11 @@ class SimCSE(Experiment):
 
     @dataclass
     class Options:
-        # standin (gensim wheel; NOT STS) | paper (wiki1m + SentEval)
-        data: str = "standin"
+        data: str = "standin"  # standin (gensim wheel; NOT STS) | paper (wiki1m + SentEval)
         data_root: str | None = None  # default: gcbs_lib.data.data_root()
         train_limit: int | None = None  # train on a fixed random subset of this many sentences
-        # score at most this many pairs per evaluation task (fixed subset)
-        eval_limit: int | None = None
-        # tiny-bert | mlm-bert | minilm | a Hugging Face name or path
-        encoder: str = "tiny-bert"
+        eval_limit: int | None = None  # score at most this many pairs a task (fixed subset)
+        encoder: str = "tiny-bert"  # tiny-bert | mlm-bert | minilm | a Hugging Face name or path
         pooling: str = "cls_mlp_train"  # SimCSE's cls + MLP at training time only
         dropout: float | None = None  # None: the encoder's own (0.1 for BERT)
         max_length: int = 32  # training sentences
@@ -80,11 +73,9 @@ class SimCSE(Experiment):
         name = self.root / "models" / o.encoder if o.encoder in BUILT_MODELS else o.encoder
         if o.encoder in BUILT_MODELS and not (name / "manifest.json").is_file():
             run_data_script(BUILT_MODELS[o.encoder], "--root", self.root)
+        length = max(o.max_length, o.eval_max_length)
         self.encoder = text_encoder(
-            str(name),
-            pooling=o.pooling,
-            max_length=max(o.max_length, o.eval_max_length),
-            dropout=o.dropout,
+            str(name), pooling=o.pooling, max_length=length, dropout=o.dropout
         )
         return self.encoder
 
@@ -97,9 +88,7 @@ class SimCSE(Experiment):
         # every rank's anchors, positives
         return rank_info_nce(*(gather_with_grad(z) for z in embeddings), scale)
 
-    def pair_embeddings(
-        self, model: nn.Module, indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
         """Each sentence's embedding, twice (eval mode has no dropout)."""
         z = model(to_device(self.collate(indices.tolist()).inputs[0], self.device))
         return z, z
@@ -109,19 +98,7 @@ class SimCSE(Experiment):
         scores = {}
         for name, (first, second, gold) in self.tasks[split].items():
             distinct = sorted(set(first + second))  # a Lee document is in 24 pairs: encode it once
-            size, length = self.options.eval_batch_size, self.options.eval_max_length
-            vectors = torch.cat(
-                [
-                    model(
-                        to_device(
-                            self.encoder.tokenize(distinct[i : i + size], length), self.device
-                        )
-                    )
-                    .float()
-                    .cpu()
-                    for i in range(0, len(distinct), size)
-                ]
-            )
+            vectors = self.embed(model, distinct)
             row = {text: i for i, text in enumerate(distinct)}
             cosines = F.cosine_similarity(
                 vectors[[row[t] for t in first]], vectors[[row[t] for t in second]], dim=-1
@@ -129,10 +106,17 @@ class SimCSE(Experiment):
             scores[f"spearman_{name}"] = spearman(cosines.numpy(), gold)
         return {"spearman": sum(scores.values()) / len(scores), **scores}
 
+    def embed(self, model: nn.Module, texts: list[str]) -> torch.Tensor:
+        """Evaluation embeddings of `texts` (float32, on the CPU), `eval_batch_size` at a time."""
+        size, length = self.options.eval_batch_size, self.options.eval_max_length
+        batches = (
+            self.encoder.tokenize(texts[i : i + size], length) for i in range(0, len(texts), size)
+        )
+        return embed_in_batches(model, batches, self.device).float().cpu()
+
 
 def paper_data(root: Path) -> tuple[list[str], dict]:
-    """wiki1m_for_simcse.txt to train; {"dev": STS-B dev, "test": every SentEval task} under
-    `<root>/sts/`."""
+    """From `<root>/sts/`: wiki1m to train; {"dev": STS-B dev, "test": every SentEval task}."""
     train_file, senteval = root / "sts" / "wiki1m_for_simcse.txt", root / "sts" / "SentEval"
     if not train_file.is_file():
         raise FileNotFoundError(
@@ -140,20 +124,18 @@ def paper_data(root: Path) -> tuple[list[str], dict]:
             f"or use data='standin' offline"
         )
     dev = {"STSBenchmark": load(senteval_path("STSBenchmark", senteval, "dev"), "STSBenchmark")}
-    return read_sentences(train_file), {
-        "dev": dev,
-        "test": {t: load(senteval_path(t, senteval), t) for t in TASKS},
-    }
+    train = read_sentences(train_file)
+    test = {t: load(senteval_path(t, senteval), t) for t in TASKS}
+    return train, {"dev": dev, "test": test}
 
 
 def standin_data(root: Path) -> tuple[list[str], dict]:
     """The stand-in (NOT STS): Wikipedia sentences to train; the Lee pairs among a fixed half of its
     documents as dev; the Lee pairs among the other half, WordSim353 and SimLex-999 as test."""
     test = {name: load_standin(name, root) for name in ("lee-test", "wordsim353", "simlex999")}
-    return read_sentences(standin_file("train.txt", root)), {
-        "dev": {"lee": load_standin("lee-dev", root)},
-        "test": {"lee": test.pop("lee-test"), **test},
-    }
+    train = read_sentences(standin_file("train.txt", root))
+    dev = {"lee": load_standin("lee-dev", root)}
+    return train, {"dev": dev, "test": {"lee": test.pop("lee-test"), **test}}
 
 
 def _limit(task, limit: int | None, purpose: str):
