@@ -101,7 +101,7 @@ print(
 )
 
 # %% [markdown]
-# ## UniXcoder's recipe
+# ## 1 · UniXcoder's recipe
 #
 # One encoder $f$ embeds both sides. A text of $T$ real tokens (padding masked out by $m_t \in \{0, 1\}$)
 # becomes the **mean** of its last hidden states, then is **L2-normalised**, so that a dot product is a cosine:
@@ -140,7 +140,7 @@ print(
 print(cmp_table(checks))
 
 # %% [markdown]
-# ## What GCBS does to code-search batches
+# ## 2 · What GCBS does to code-search batches
 #
 # Random batches hold a fraction $B/N$ of any set of pairs. GCBS keeps the edges $(i, j)$ whose similarity
 # $q_i^\top c_j$ is among the top 0.1 % and orders the data so that connected pairs sit close (RCM), hence in one
@@ -193,7 +193,7 @@ for name in ordered:
 groups_apart = mixed["gcbs"] == 0
 
 # %% [markdown]
-# ## How many seeds: the pilot
+# ## 3 · How many seeds: the pilot
 #
 # A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0; over
 # $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of the paired
@@ -232,7 +232,7 @@ half_width = pilot_plan(
 )
 
 # %% [markdown]
-# ## Training: one loss, three ways to choose the negatives
+# ## 4 · Training: one loss, three ways to choose the negatives
 #
 # Rank r of W holds B/W queries and their code; with $\mathcal{C}$ the code embeddings gathered from every rank
 # (`gather_with_grad`), rank r's share of the loss is
@@ -257,7 +257,7 @@ summaries = run_arms(
 )
 
 # %% [markdown]
-# ## Test scores per arm
+# ## 5 · Test scores per arm
 #
 # MRR ranks each query's code among the *whole* evaluation pool, 0 beyond rank 1000; MRR and recall are
 # fractions (the paper's +2.0 points is +0.020 here): mean ± sd over seeds, and Δ, the mean over seeds of
@@ -271,7 +271,7 @@ delta = arms_table(
 )
 
 # %% [markdown]
-# ## Dev MRR during training, and the loss gap each arm trains with
+# ## 6 · Dev MRR during training, and the loss gap each arm trains with
 #
 # At epoch 0 every arm of a seed starts from the same model, so the loss gaps compare orders only; the
 # hard-negative arm trains on the random arm's batches. Whether GCBS's gap is smaller is a measurement, not a
@@ -291,7 +291,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## Against the paper
+# ## 7 · Against the paper
 #
 # Read the measured Δ with the differences in mind: the `cpu` profile fine-tunes a small pretrained encoder that
 # has already seen CodeSearchNet, for UniXcoder's 2 AdvTest epochs on 5,105 stand-in pairs at 32 / 64 tokens,
@@ -315,6 +315,9 @@ for arm in [a for a in arms if a != "random"]:
         f"+0.022): {line.verdict} [{experiment.data_name}, {experiment.model_name}, profile "
         f"{profile}]"
     )
+
+# %% [markdown]
+# ## Checks
 
 # %%
 assert all(check.within_tolerance for check in checks)

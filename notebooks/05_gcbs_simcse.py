@@ -214,6 +214,9 @@ delta.set_title("test Spearman: GCBS − random")
 plt.tight_layout()
 plt.show()
 
+# %% [markdown]
+# ## Checks
+
 # %%
 gcbs_gap_smaller = first_gap_no_larger(summaries)
 assert views_differ and eval_equal

@@ -225,6 +225,9 @@ delta.set_title("test Spearman: GCBS − random")
 plt.tight_layout()
 plt.show()
 
+# %% [markdown]
+# ## Checks
+
 # %%
 gradcache_exact = all(check.within_tolerance for check in gradcache_checks)
 gcbs_gap_smaller = first_gap_no_larger(summaries)

@@ -660,7 +660,7 @@ print(
 )
 
 # %% [markdown]
-# ## Results
+# ## Result rows
 
 # %%
 model_name = one_summary["rows"][0]["model"]

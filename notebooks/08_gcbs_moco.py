@@ -270,6 +270,9 @@ delta.set_title("test kNN accuracy: GCBS − random")
 plt.tight_layout()
 plt.show()
 
+# %% [markdown]
+# ## Checks
+
 # %%
 queue_checks = all(check.within_tolerance for check in checks)
 assert queue_checks and ema_check.within_tolerance and key_grads_none

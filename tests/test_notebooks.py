@@ -37,6 +37,15 @@ def test_the_readme_teaches_exactly_the_notebooks_there_are():
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_sections_are_numbered_alike_and_end_with_result_rows_then_checks(script):
+    headings = re.findall(r"^# ## (.*)$", script.read_text(), re.M)
+    tail = [h for h in headings if h in ("Result rows", "Checks")]
+    numbered = headings[: len(headings) - len(tail)]
+    assert tail in (["Checks"], ["Result rows", "Checks"])
+    assert numbered == [f"{n} · {h.split(' · ', 1)[-1]}" for n, h in enumerate(numbered, 1)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_each_script_is_paired_with_a_notebook_that_keeps_the_python3_kernelspec(script):
     notebook = nbformat.read(script.with_suffix(".ipynb"), as_version=4)
     assert (
