@@ -1,9 +1,11 @@
 """Checks. Visible verification, as nn-zero-to-hero's `cmp`: `compare(name, ours, reference)`
 measures one pair (bitwise equality; ‖Δ‖/‖ref‖, the norm-wise relative error of the whole tensor,
 not `torch.allclose`'s element-wise test; whether it is within the tolerance), `cmp_table(rows)`
-formats many. Input checks: `require`."""
+formats many. Input checks: `require`, and `as_type` for settings read from text."""
 
+import contextlib
 from collections import namedtuple
+from typing import Any, Literal, get_args, get_origin
 
 import torch
 
@@ -20,23 +22,37 @@ def require(condition, message: str) -> None:
         raise ValueError(message)
 
 
+def as_type(value, kind, error: str):
+    """`value` if it is of type `kind` (a class, a Literal, a union of these, or Any), where a float
+    also takes an int or a number's text (YAML reads 3e-5 as text); else ValueError(error)."""
+    choices = (get_args(kind) if get_origin(kind) is not Literal else ()) or (kind,)
+    for choice in choices:
+        named = get_origin(choice) is Literal and value in get_args(choice)
+        if choice is Any or named or type(value) is choice:
+            return value
+        if choice is float and type(value) in (int, str):
+            with contextlib.suppress(ValueError):
+                return float(value)
+    raise ValueError(error)
+
+
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    """‖ours − reference‖ / ‖reference‖ (Frobenius norms, float64); 0 when both are zero, inf when
-    only ours is not."""
+    """‖ours − reference‖ / ‖reference‖ (Frobenius, float64); 0 if both are 0, inf if only ours."""
     require(
         ours.shape == reference.shape,
         f"shape mismatch: {tuple(ours.shape)} vs reference {tuple(reference.shape)}",
     )
-    diff, scale = (
-        (ours.detach().double() - reference.detach().double()).norm(),
-        reference.detach().double().norm(),
-    )
-    return 0.0 if diff == 0 else float(diff / scale) if scale > 0 else float("inf")
+    diff = (ours.detach().double() - reference.detach().double()).norm()
+    scale = reference.detach().double().norm()
+    if diff == 0:
+        return 0.0
+    if scale == 0:
+        return float("inf")
+    return float(diff / scale)
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """The norm-wise relative tolerance the kit promises for results computed in `dtype` (see
-    TOLERANCES)."""
+    """The norm-wise relative tolerance the kit promises for results in `dtype` (TOLERANCES)."""
     require(
         dtype in TOLERANCES,
         f"no tolerance for {dtype}: compare floating-point results ({list(TOLERANCES)})",
@@ -47,12 +63,9 @@ def tolerance(dtype: torch.dtype) -> float:
 def compare(
     name: str, ours: torch.Tensor, reference: torch.Tensor, rtol: float | None = None
 ) -> Comparison:
-    """Bitwise equality and the relative error against `rtol` (default: the tolerance of the
-    reference's dtype)."""
-    rtol, error = (
-        (tolerance(reference.dtype) if rtol is None else rtol),
-        relative_error(ours, reference),
-    )
+    """Bitwise equality, and the relative error against `rtol` (default: the reference dtype's)."""
+    rtol = tolerance(reference.dtype) if rtol is None else rtol
+    error = relative_error(ours, reference)
     return Comparison(name, bool(torch.equal(ours, reference)), error, rtol, error <= rtol)
 
 

@@ -10,8 +10,7 @@ from gcbs_lib.train import Trainer, load_config, train
 
 
 def arm_configs(experiment, profile, arms, seeds, overrides=None) -> dict:
-    """`{(arm, seed): TrainConfig}`: the profile, then `overrides`, the arm as sampler and the seed;
-    seed-major."""
+    """`{(arm, seed): TrainConfig}`, seed-major: the profile, `overrides`, the arm, the seed."""
     return {
         (arm, seed): load_config(
             experiment, profile, {**(overrides or {}), "sampler": arm, "seed": seed}
@@ -30,27 +29,20 @@ def run_arms(
     summaries = {}
     for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
         output_dir = Path(folder) / f"{arm}-seed{seed}"
-        if ("start", seed) not in summaries:
-            # the untrained model
+        if ("start", seed) not in summaries:  # the untrained model
             start = Trainer(replace(config, sampler="random", arm="start"), output_dir)
-            summaries["start", seed] = {"rows": start.score("test")}
-            print(
-                f"start seed {seed}: untrained, test "
-                + ", ".join(
-                    f"{r['metric'][5:]} {r['value']:.4f}" for r in summaries["start", seed]["rows"]
-                )
+            rows = start.score("test")
+            summaries["start", seed] = {"rows": rows}
+            scores = ", ".join(f"{r['metric'][5:]} {r['value']:.4f}" for r in rows)
+            print(f"start seed {seed}: untrained, test {scores}")
+        if nproc == 1:
+            summary = train(config, output_dir)
+        else:
+            args = {"config": asdict(config), "output_dir": str(output_dir)}
+            summary = launch(
+                "gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False, args=args
             )
-        summaries[arm, seed] = summary = (
-            train(config, output_dir)
-            if nproc == 1
-            else launch(
-                "gcbs_lib.train:launched",
-                nproc=nproc,
-                backend=backend,
-                echo=False,
-                args={"config": asdict(config), "output_dir": str(output_dir)},
-            )
-        )
+        summaries[arm, seed] = summary
         test = ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items())
         print(
             f"{arm} seed {seed}: {summary['steps']} steps, best dev at step "
@@ -67,10 +59,8 @@ def pilot_plan(
     half = {n: half_width(sd_paired_delta, n) for n in range(2, 13)}
     for n, h in half.items():
         minutes = n * seconds_per_seed / 60
-        print(
-            f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} "
-            f"min{'' if minutes <= budget_minutes else ' (over budget)'}"
-        )
+        over = "" if minutes <= budget_minutes else " (over budget)"
+        print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{over}")
     return half
 
 
@@ -103,14 +93,12 @@ def arms_table(summaries, stand_in="not the paper's data") -> dict:
     display(MarkdownTable(to_markdown(lines)))
     # one per metric
     moved = {line.metric[5:]: line for line in lines if line.start and line.random}
-    if moved:
-        print(
-            "training moved the model, random − start (sd over seeds): "
-            + ", ".join(
-                f"{m} {line.random.mean - line.start.mean:+.4f} ({line.random.sd or 0:.4f})"
-                for m, line in moved.items()
-            )
-        )
+    gains = [
+        f"{m} {line.random.mean - line.start.mean:+.4f} ({line.random.sd or 0:.4f})"
+        for m, line in moved.items()
+    ]
+    if gains:
+        print(f"training moved the model, random − start (sd over seeds): {', '.join(gains)}")
     return {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
 
 
@@ -140,14 +128,8 @@ def plot_deltas(ax, lines) -> None:
     """Each line's Δ with its 95 % interval, beside the paper's Δ (×) and 0."""
     for y, line in enumerate(lines):
         low, high = (line.low, line.high) if line.low is not None else (line.delta, line.delta)
-        ax.errorbar(
-            line.delta,
-            y,
-            xerr=[[line.delta - low], [high - line.delta]],
-            fmt="o",
-            color="k",
-            capsize=4,
-        )
+        xerr = [[line.delta - low], [high - line.delta]]
+        ax.errorbar(line.delta, y, xerr=xerr, fmt="o", color="k", capsize=4)
         if line.paper and line.paper.deltas:
             ax.plot(line.paper.deltas, [y] * len(line.paper.deltas), "x", color="C3", ms=9)
     ax.axvline(0, color="grey", lw=0.8)
@@ -156,8 +138,7 @@ def plot_deltas(ax, lines) -> None:
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:
-    """Whether `arm`'s first batches had a loss gap ≤ the baseline's on every seed (only their
-    batches differ)."""
+    """Whether `arm`'s first batches had a loss gap ≤ the baseline's on every seed."""
     return all(
         summary["epochs"][0]["loss_gap"]
         <= summaries[baseline, seed]["epochs"][0]["loss_gap"] + 1e-6

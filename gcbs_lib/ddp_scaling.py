@@ -24,8 +24,7 @@ from gcbs_lib.models import TinyTextEncoder, random_token_batch
 
 
 def gather_without_grad(x: torch.Tensor) -> torch.Tensor:
-    """All-gather, no gradient but to this rank's own rows (GradCache's DistributedContrastiveLoss,
-    Tevatron)."""
+    """All-gather, with a gradient to this rank's own rows only (as GradCache and Tevatron do)."""
     rank, world_size = rank_and_world_size()
     pieces = list(gather_with_grad(x.detach()).chunk(world_size))
     pieces[rank] = x
@@ -33,8 +32,7 @@ def gather_without_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 class MilNceAllGather(torch.autograd.Function):
-    """The official MIL-NCE code's AllGather: forward gathers, backward keeps this rank's rows
-    without summing."""
+    """MIL-NCE's official AllGather: forward gathers; backward keeps this rank's rows, unsummed."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -48,8 +46,7 @@ class MilNceAllGather(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Convention:
-    """A gather, the loss each rank takes (the global L over all W·B queries, or its share L_r), and
-    a factor W."""
+    """A gather, each rank's loss (global L over all W·B queries, or its share L_r), a factor W."""
 
     label: str
     gather: Callable[[torch.Tensor], torch.Tensor]
@@ -58,13 +55,12 @@ class Convention:
 
     def rank_loss(self, all_queries, all_docs, scale, rank: int, world_size: int) -> torch.Tensor:
         """The (symmetric) loss rank `rank` back-propagates, from its gathered embeddings."""
-        loss = (
-            info_nce(all_queries, all_docs, scale, symmetric=True)
-            if self.global_loss
-            else rank_info_nce(
+        if self.global_loss:
+            loss = info_nce(all_queries, all_docs, scale, symmetric=True)
+        else:
+            loss = rank_info_nce(
                 all_queries, all_docs, scale, symmetric=True, rank=rank, world_size=world_size
             )
-        )
         return loss * world_size if self.times_world else loss
 
 
@@ -87,8 +83,7 @@ LENGTH, VOCAB, DIM = 8, 50, 8  # tokens per text, vocabulary, embedding size
 
 @dataclass(frozen=True)
 class ScalingSetup:
-    """One step: `per_rank` pairs on each rank, encoded `chunk_size` rows at a time, in float64 on
-    `device`."""
+    """One step: `per_rank` pairs a rank, encoded `chunk_size` rows at a time, in float64."""
 
     per_rank: int = 4
     chunk_size: int = 2
@@ -128,27 +123,26 @@ def flat_gradients(encoder, scale: LogitScale) -> dict[str, torch.Tensor]:
 
 
 def ddp_steps(runs: list[tuple[str, ScalingSetup]]) -> list[dict]:
-    """A `launch` target: for each (convention, setup) of `runs`, one step on this rank (GradCache
-    over a DDP encoder, the logit scale averaged): the mean loss over ranks, `flat_gradients`, DDP's
-    all-reduce sizes, `rank_difference`."""
-    (rank, world_size), results = rank_and_world_size(), []
+    """A `launch` target: per (convention, setup) of `runs`, one step on this rank (GradCache over
+    a DDP encoder, the scale averaged): mean loss, `flat_gradients`, all-reduce sizes, rank gap."""
+    rank, world_size = rank_and_world_size()
+    results = []
     for convention, setup in runs:
-        rule, (encoder, scale) = CONVENTIONS[convention], build_models(setup)
-        ddp, allreduces = DistributedDataParallel(encoder), []
+        rule = CONVENTIONS[convention]
+        encoder, scale = build_models(setup)
+        ddp = DistributedDataParallel(encoder)
+        allreduces = []
         ddp.register_comm_hook(allreduces, _count_allreduce)
         queries, docs = (
             VirtualRanks(world_size).shard(batch)[rank] for batch in global_batch(setup, world_size)
         )
         torch.manual_seed(setup.rank_seed(rank))
-        loss = cached_loss(
-            partial(_rank_loss, rule, scale, rank, world_size),
-            ddp,
-            [queries, docs],
-            setup.chunk_size,
-        )
+        loss_fn = partial(_rank_loss, rule, scale, rank, world_size)
+        loss = cached_loss(loss_fn, ddp, [queries, docs], setup.chunk_size)
         loss.backward()
         all_reduce_gradients(scale.parameters())
-        dist.all_reduce(mean_loss := loss.detach().clone())
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
         results.append(
             {
                 "loss": mean_loss.item() / world_size,

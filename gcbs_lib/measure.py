@@ -17,18 +17,13 @@ CLEAR_REFS = "/proc/self/clear_refs"
 
 def memory_method(device: str) -> str:
     """How `memory_rise` measures on `device` here: "cuda", "vmhwm" or "sampled_rss"."""
-    return (
-        "cuda"
-        if str(device).startswith("cuda")
-        else "vmhwm"
-        if os.access(CLEAR_REFS, os.W_OK)
-        else "sampled_rss"
-    )
+    if str(device).startswith("cuda"):
+        return "cuda"
+    return "vmhwm" if os.access(CLEAR_REFS, os.W_OK) else "sampled_rss"
 
 
 def memory_rise(run, method: str) -> int:
-    """Bytes `run()` needs above what was in memory before it, measured by `method` (see
-    `memory_method`)."""
+    """Bytes `run()` needs above what was in memory before, by `method` (see `memory_method`)."""
     if method == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -41,7 +36,8 @@ def memory_rise(run, method: str) -> int:
             f"unknown memory method {method!r}: use 'cuda', 'vmhwm', 'sampled_rss' or "
             "'sampled_anonymous'"
         )
-    process, done = psutil.Process(), threading.Event()
+    process = psutil.Process()
+    done = threading.Event()
 
     def resident() -> int:
         return (m := process.memory_info()).rss - (m.shared if method == "sampled_anonymous" else 0)
@@ -52,10 +48,8 @@ def memory_rise(run, method: str) -> int:
             clear_refs.write("5")  # the peak-RSS counter restarts from the current RSS
         run()
         with open("/proc/self/status") as status:
-            return (
-                int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024
-                - before
-            )
+            peak_kib = next(line for line in status if line.startswith("VmHWM:")).split()[1]
+        return int(peak_kib) * 1024 - before
 
     def watch() -> None:
         nonlocal peak
@@ -73,8 +67,7 @@ def memory_rise(run, method: str) -> int:
 
 
 def fresh_process_bytes(arguments: list[str], what, timeout: float = 600) -> int:
-    """The integer `python <arguments>` prints last, run in a fresh process; a failing probe raises,
-    naming `what`."""
+    """The last integer a fresh `python <arguments>` prints; a failed probe raises naming `what`."""
     result = subprocess.run(
         [sys.executable, *arguments], capture_output=True, text=True, timeout=timeout
     )
@@ -93,10 +86,8 @@ def contrastive_step(method: str, batch_size: int, chunk_size: int = 16, device:
     from gcbs_lib.models import TinyTextEncoder, random_token_batch
 
     torch.manual_seed(0)
-    encoder, generator = (
-        TinyTextEncoder(1000, 64, 4, 2, 32).to(device),
-        torch.Generator().manual_seed(0),
-    )
+    encoder = TinyTextEncoder(1000, 64, 4, 2, 32).to(device)
+    generator = torch.Generator().manual_seed(0)
     batches = [
         {k: v.to(device) for k, v in random_token_batch(batch_size, 32, 1000, generator).items()}
         for _ in "qd"

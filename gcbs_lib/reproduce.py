@@ -22,16 +22,16 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import nbformat
 import papermill
 import yaml
 
-from gcbs_lib.check import require
-from gcbs_lib.data import read_json, write_atomic
+from gcbs_lib.check import as_type, require
+from gcbs_lib.data import REPOSITORY, read_json, write_atomic
 from gcbs_lib.results import (
-    REPOSITORY,
     RESULTS_DIR_VARIABLE,
     build_table,
     current_commit,
@@ -43,19 +43,14 @@ NOTEBOOKS = REPOSITORY / "notebooks"
 
 
 def discover(folder: Path, only: list[str] | None = None) -> dict[Path, dict]:
-    """`{notebook: {parameter: default}}` (by papermill) of `folder`'s `NN_topic.ipynb`, or of those
-    `only` names."""
+    """`{notebook: {parameter: default}}` of `folder`'s `NN_topic.ipynb` (or those `only` names)."""
     paths = sorted(folder.glob("[0-9]*.ipynb"))
-    if (
-        unknown := [
-            t for t in only or [] if not any(t.zfill(2) in (p.stem, p.stem[:2]) for p in paths)
-        ]
-    ) or not paths:
-        raise ValueError(
-            f"no notebook {' '.join(unknown)} in {folder}; there are "
-            f"{', '.join(p.stem for p in paths)}"
-        )
-    chosen = [p for p in paths if not only or any(t.zfill(2) in (p.stem, p.stem[:2]) for t in only)]
+    named = {t: [p for p in paths if t.zfill(2) in (p.stem, p.stem[:2])] for t in only or []}
+    unknown = [t for t, found in named.items() if not found]
+    if unknown or not paths:
+        there = ", ".join(p.stem for p in paths)
+        raise ValueError(f"no notebook {' '.join(unknown)} in {folder}; there are {there}")
+    chosen = [p for p in paths if not only or any(p in found for found in named.values())]
     return {
         p: {k: ast.literal_eval(v["default"]) for k, v in papermill.inspect_notebook(p).items()}
         for p in chosen
@@ -63,25 +58,18 @@ def discover(folder: Path, only: list[str] | None = None) -> dict[Path, dict]:
 
 
 def typed(value, default, where: str):
-    """`value` if its type is the default's (a float takes an int; a default None takes
-    anything)."""
-    value = float(value) if isinstance(default, float) and type(value) is int else value
-    require(
-        default is None or type(value) is type(default),
-        f"{where}: {value!r} does not match the type of the default {default!r}",
-    )
-    return value
+    """`value` if its type is the default's (a float takes an int; a default None, anything)."""
+    wrong = f"{where}: {value!r} does not match the type of the default {default!r}"
+    return as_type(value, Any if default is None else type(default), wrong)
 
 
 def plan(
     notebooks: dict[Path, dict], profile: str, overrides: dict[str, tuple]
 ) -> dict[Path, dict]:
     """Each notebook's papermill parameters: the profile's name and file, then the `overrides` it
-    has (name -> (YAML value, text, flag)). ValueError on a name no notebook has, or a value of the
-    wrong type."""
-    if unknown := [
-        name for name in overrides if not any(name in values for values in notebooks.values())
-    ]:
+    has (name -> (YAML value, text, flag)); a name no notebook has or a wrong type: ValueError."""
+    unknown = [n for n in overrides if not any(n in values for values in notebooks.values())]
+    if unknown:
         valid = "\n".join(
             f"  {path.stem}: {', '.join(values)}" for path, values in notebooks.items()
         )
@@ -93,9 +81,8 @@ def plan(
     for path, values in notebooks.items():
         plans[path] = {"profile": profile} if "profile" in values else {}
         profile_file = path.parent / "params" / f"{path.stem}.{profile}.yaml"
-        for name, value in (
-            yaml.safe_load(profile_file.read_text()) or {} if profile_file.exists() else {}
-        ).items():
+        preset = yaml.safe_load(profile_file.read_text()) or {} if profile_file.exists() else {}
+        for name, value in preset.items():
             require(name in values, f"{profile_file}: {name!r} is not a parameter of {path.stem}")
             plans[path][name] = typed(value, values[name], f"{profile_file} {name}")
         for name, (value, text, flag) in overrides.items():
@@ -106,8 +93,7 @@ def plan(
 
 
 def save_figures(executed: Path, folder: Path) -> None:
-    """Write the executed notebook's PNG outputs into `folder`, named as the module docstring
-    says."""
+    """Write the executed notebook's PNGs into `folder`, named as the module docstring says."""
     for cell in nbformat.read(executed, as_version=4).cells:
         images = [
             o["data"]["image/png"]
@@ -127,14 +113,11 @@ def save_figures(executed: Path, folder: Path) -> None:
 
 
 def execute(notebook: Path, parameters: dict, out: Path, prepare_only: bool = False) -> dict:
-    """Run one notebook into `out` with papermill (kernel python3, in the notebook's folder); what
-    happened."""
-    start, executed = time.monotonic(), out / notebook.name
-    outcome = {
-        "parameters": parameters,
-        "status": "prepared" if prepare_only else "ok",
-        "error": "",
-    }
+    """Run one notebook into `out` by papermill (python3, in its folder); what happened."""
+    start = time.monotonic()
+    executed = out / notebook.name
+    status = "prepared" if prepare_only else "ok"
+    outcome = {"parameters": parameters, "status": status, "error": ""}
     source = nbformat.read(notebook, as_version=4)
     for cell in source.cells:  # without the committed outputs, also in a prepared copy
         cell.update({"outputs": [], "execution_count": None} if cell.cell_type == "code" else {})
@@ -168,13 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         epilog="\n".join(__doc__.split("\n")[2:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--profile", choices=("ci", "cpu", "paper"), default="ci", help="default: ci"
-    )
-    parser.add_argument(
-        "--only", nargs="+", metavar="NN", help="run only these notebooks (number or name)"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--profile", choices=("ci", "cpu", "paper"), default="ci", help="default: ci")
+    add("--only", nargs="+", metavar="NN", help="run only these notebooks (number or name)")
+    add(
         "-p",
         "--parameter",
         nargs=2,
@@ -183,21 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("NAME", "VALUE"),
         help="set a parameter in every notebook that has it",
     )
-    parser.add_argument(
-        "--nproc", type=int, help="ranks for the notebooks that launch them (parameter nproc)"
-    )
-    parser.add_argument(
-        "--backend", choices=("gloo", "nccl"), help="process-group backend (parameter backend)"
-    )
-    parser.add_argument(
-        "--output-dir", type=Path, help="where to write (default: runs/<timestamp>/)"
-    )
-    parser.add_argument(
-        "--fail-fast", action="store_true", help="stop at the first failing notebook"
-    )
-    parser.add_argument(
-        "--prepare-only", action="store_true", help="inject the parameters, execute nothing"
-    )
+    add("--nproc", type=int, help="ranks for the notebooks that launch them (parameter nproc)")
+    add("--backend", choices=("gloo", "nccl"), help="process-group backend (parameter backend)")
+    add("--output-dir", type=Path, help="where to write (default: runs/<timestamp>/)")
+    add("--fail-fast", action="store_true", help="stop at the first failing notebook")
+    add("--prepare-only", action="store_true", help="inject the parameters, execute nothing")
     args = parser.parse_args(argv)
     out = args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if args.nproc is not None and args.nproc < 1:
@@ -211,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides |= {
             k: (v, v, f"--{k}") for k, v in (("nproc", args.nproc), ("backend", args.backend)) if v
         }
-        plans = plan(notebooks := discover(NOTEBOOKS, args.only), args.profile, overrides)
+        notebooks = discover(NOTEBOOKS, args.only)
+        plans = plan(notebooks, args.profile, overrides)
     except (ValueError, yaml.YAMLError) as error:  # a usage error: nothing was run
         parser.error(str(error))
     for notebook, parameters in plans.items():  # its training runs stay in this run's folder
@@ -222,14 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     # code a commit names
     pinned = not args.prepare_only and "+dirty" not in commit and commit != "unknown"
     earlier = read_json(out / "run.json") if pinned and (out / "run.json").exists() else {}
-    kept = {
-        p.stem: n
-        for p, parameters in plans.items()
-        if earlier.get("commit") == commit
-        and (n := earlier["notebooks"].get(p.stem, {})).get("status") in ("ok", "failed")
+    kept = {}
+    for p, parameters in plans.items():
+        entry = earlier.get("notebooks", {}).get(p.stem, {})
+        ran = earlier.get("commit") == commit and entry.get("status") in ("ok", "failed")
         # seeds may differ
-        and {**n["parameters"], "seeds": None} == {**parameters, "seeds": None}
-    }
+        if ran and {**entry["parameters"], "seeds": None} == {**parameters, "seeds": None}:
+            kept[p.stem] = entry
     # a folder used before: its figures go, and its rows
     shutil.rmtree(out / "figures", ignore_errors=True)
     # unless kept
@@ -249,12 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):
         for notebook, parameters in plans.items():
-            run["notebooks"][notebook.stem] = outcome = execute(
-                notebook, parameters, out, args.prepare_only
-            )
-            outcome["seconds"] = round(
-                outcome["seconds"] + kept.get(notebook.stem, {}).get("seconds", 0), 1
-            )
+            outcome = execute(notebook, parameters, out, args.prepare_only)
+            spent_before = kept.get(notebook.stem, {}).get("seconds", 0)
+            outcome["seconds"] = round(outcome["seconds"] + spent_before, 1)
+            run["notebooks"][notebook.stem] = outcome
             print(
                 f"{outcome['status']:>8}  {notebook.stem}  {outcome['seconds']:.0f} s  "
                 f"{outcome['error']}"
@@ -262,20 +230,16 @@ def main(argv: list[str] | None = None) -> int:
             write_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
             if args.fail_fast and outcome["status"] == "failed":
                 break
-    lines = build_table(
-        [row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)],
-        run["commit"],
-    )
+    rows = [row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)]
+    lines = build_table(rows, run["commit"])
     tables = [
         f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
         # one table per experiment
         for name in dict.fromkeys(line.experiment for line in lines)
     ]
-    smoke = (
-        "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n"
-        if args.profile == "ci"
-        else ""
-    )
+    smoke = ""
+    if args.profile == "ci":
+        smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n"
     write_atomic(
         out / "results.md",
         f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n" + "\n".join(tables),

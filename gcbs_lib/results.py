@@ -1,7 +1,6 @@
 """Result rows (a results file is a JSON list of them), the paper-vs-kit table, and the README's
 table: `python -m gcbs_lib.results collect runs/<stamp>` copies a run's rows into results/ with
-their provenance, and `python -m gcbs_lib.results readme` regenerates the README's table of the
-committed cpu-profile rows."""
+their provenance; `python -m gcbs_lib.results readme` regenerates the README's cpu table."""
 
 import argparse
 import json
@@ -10,16 +9,16 @@ import os
 import statistics
 import subprocess
 from collections import namedtuple
+from operator import itemgetter
 from pathlib import Path
 
 import scipy.stats
 
 from gcbs_lib.check import require
-from gcbs_lib.data import read_json, write_atomic
+from gcbs_lib.data import REPOSITORY, read_json, write_atomic
 
 FIELDS = ("experiment", "arm", "seed", "metric", "value", "profile", "data", "model")
 RESULTS_DIR_VARIABLE = "GCBS_RESULTS_DIR"  # the runner sets it; `record` writes there
-REPOSITORY = Path(__file__).resolve().parent.parent
 # <notebook>.<profile>.json rows, and provenance.json: how each was made
 COMMITTED = REPOSITORY / "results"
 README_START = (
@@ -29,22 +28,18 @@ README_END = "<!-- cpu-results: end -->"
 
 
 def check_row(row: dict) -> dict:
-    """`row` with an int seed and a float value; ValueError on other keys, a non-finite value, an
-    empty name."""
+    """`row` with an int seed and a float value; other keys, empty names, NaN or inf: ValueError."""
     if not isinstance(row, dict) or set(row) != set(FIELDS):
         raise ValueError(f"a result row has exactly the keys {list(FIELDS)}, got {row!r}")
     row = {**row, "seed": int(row["seed"]), "value": float(row["value"])}
     named = all(isinstance(row[k], str) and row[k] for k in FIELDS if k not in ("seed", "value"))
-    require(
-        math.isfinite(row["value"]) and named,
-        f"a result row has a finite value and non-empty names, got {row}",
-    )
+    require(math.isfinite(row["value"]), f"a result row has a finite value, got {row}")
+    require(named, f"a result row has non-empty names, got {row}")
     return row
 
 
 def result_row(**fields) -> dict:
-    """A checked row from the keyword arguments experiment, arm, seed, metric, value, profile, data,
-    model."""
+    """A checked row from keywords experiment, arm, seed, metric, value, profile, data, model."""
     return check_row(fields)
 
 
@@ -53,10 +48,8 @@ def write_rows(path: str | Path, rows: list[dict]) -> Path:
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    require(
-        isinstance(rows := read_json(path), list),
-        f"{path}: a results file holds a JSON list of rows",
-    )
+    rows = read_json(path)
+    require(isinstance(rows, list), f"{path}: a results file holds a JSON list of rows")
     return [check_row(r) for r in rows]
 
 
@@ -66,14 +59,12 @@ def record(rows: list[dict], name: str) -> Path | None:
     settings); without the runner, nothing."""
     if not (folder := os.environ.get(RESULTS_DIR_VARIABLE)):
         return None
-    path, key = (
-        Path(folder) / f"{name}.json",
-        lambda row: (row["experiment"], row["arm"], row["seed"], row["metric"]),
-    )
-    new = {key(check_row(row)) for row in rows}
-    return write_rows(
-        path, [r for r in (read_rows(path) if path.exists() else []) if key(r) not in new] + rows
-    )
+    path = Path(folder) / f"{name}.json"
+    key = itemgetter("experiment", "arm", "seed", "metric")
+    rows = [check_row(row) for row in rows]
+    new = {key(row) for row in rows}
+    old = read_rows(path) if path.exists() else []
+    return write_rows(path, [row for row in old if key(row) not in new] + rows)
 
 
 # A headline Δ (arm − random) of the paper on the metric's 0–1 scale (+1.0 % MRR is +0.010).
@@ -116,20 +107,14 @@ TableLine = namedtuple(
 
 
 def summarize(values: list[float]) -> Summary | None:
-    return (
-        Summary(
-            statistics.fmean(values),
-            statistics.stdev(values) if len(values) > 1 else None,
-            len(values),
-        )
-        if values
-        else None
-    )
+    if not values:
+        return None
+    sd = statistics.stdev(values) if len(values) > 1 else None
+    return Summary(statistics.fmean(values), sd, len(values))
 
 
 def half_width(sd: float, n: int) -> float:
-    """The half-width t(0.975, n − 1)·sd/√n of the 95 % t-interval of a mean of n values with sample
-    sd `sd`."""
+    """t(0.975, n − 1)·sd/√n: the half-width of the 95 % t-interval of a mean of n values."""
     return float(scipy.stats.t.ppf(0.975, n - 1)) * sd / n**0.5
 
 
@@ -151,17 +136,25 @@ def verdict(
     # a lower rank is better
     gain = sorted((-high, -low) if metric.endswith("median_rank") else (low, high))
     name = {"gcbs": "GCBS"}.get(arm, arm)
-    said = f"{name} better" if gain[0] > 0 else f"{name} worse" if gain[1] < 0 else "not resolved"
+    said = "not resolved"
+    if gain[0] > 0:
+        said = f"{name} better"
+    if gain[1] < 0:
+        said = f"{name} worse"
     inside = [d for d in (paper.deltas if paper else ()) if low <= d <= high]
     if paper and paper.deltas:
-        said += (
-            "; paper Δ inside the interval"
-            if len(inside) == len(paper.deltas)
-            else "; paper Δ outside it"
-            if not inside
-            else "; inside it: paper Δ " + " / ".join(f"{d:+.4f}" for d in inside)
-        )
+        where = "; inside it: paper Δ " + deltas_text(inside)
+        if len(inside) == len(paper.deltas):
+            where = "; paper Δ inside the interval"
+        if not inside:
+            where = "; paper Δ outside it"
+        said += where
     return said
+
+
+def deltas_text(deltas) -> str:
+    """Δs as the tables print them: +0.0100 / +0.0200."""
+    return " / ".join(f"{d:+.4f}" for d in deltas)
 
 
 def paper_delta(experiment: str, arm: str | None, metric: str) -> PaperDelta | None:
@@ -170,20 +163,11 @@ def paper_delta(experiment: str, arm: str | None, metric: str) -> PaperDelta | N
 
 
 def current_commit() -> str:
-    """This checkout's commit (7 hex digits), with `+dirty` when its files differ from it; "unknown"
-    outside git."""
-    git = [
-        "git",
-        "-C",
-        str(REPOSITORY),
-        "describe",
-        "--always",
-        "--abbrev=7",
-        "--exclude=*",
-        "--dirty=+dirty",
-    ]
+    """This checkout's commit (7 hex digits), `+dirty` if files differ; "unknown" outside git."""
+    git = ["git", "describe", "--always", "--abbrev=7", "--exclude=*", "--dirty=+dirty"]
     try:
-        return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
+        described = subprocess.run(git, cwd=REPOSITORY, capture_output=True, text=True)
+        return described.stdout.strip() or "unknown"
     except OSError:  # no git here
         return "unknown"
 
@@ -232,9 +216,8 @@ def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
 
 
 def number(x: float, scale: float | None = None, *, digits: int = 4, signed: bool = False) -> str:
-    """`x` rounded to the decimals that show `scale` (default or 0: `x`) to 4 significant digits,
-    written with `digits` significant digits: round-off far below `scale` prints as 0, never −0; NaN
-    and ±inf as such."""
+    """`x` rounded to the decimals that show `scale` (default or 0: `x`) to 4 significant digits, in
+    `digits` significant digits: round-off far below `scale` prints as 0, never −0; NaN, inf too."""
     magnitude = abs(scale if scale and math.isfinite(scale) else x)
     decimals = (
         3 - math.floor(math.log10(magnitude)) if magnitude and math.isfinite(magnitude) else 0
@@ -248,40 +231,27 @@ def to_markdown(lines: list[TableLine]) -> str:
     verdict | …, sds and Δs rounded to the decimals of their mean (see `number`)."""
 
     def summary(s: Summary | None) -> str:
-        return (
-            ""
-            if s is None
-            else (
-                number(s.mean)
-                + ("" if s.sd is None else f" ± {number(s.sd, s.mean, digits=2)}")
-                + f" (n={s.n})"
-            )
-        )
+        if s is None:
+            return ""
+        sd = "" if s.sd is None else f" ± {number(s.sd, s.mean, digits=2)}"
+        return f"{number(s.mean)}{sd} (n={s.n})"
 
     out = [
-        "| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ [95 % CI] | paper "
-        "Δ | verdict "
-        "| data | model | profile | commit |",
+        "| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ [95 % CI] | paper Δ "
+        "| verdict | data | model | profile | commit |",
         "|---" * 13 + "|",
     ]
     for line in lines:
-        scale, paper = (line.random or line.kit or line.start).mean, line.paper
-        paper = (
-            paper
-            and (" / ".join(f"{d:+.4f}" for d in paper.deltas) or "none reported")
-            + f" ({paper.source})"
-        )
-        delta = (
-            ""
-            if line.delta is None
-            else number(line.delta, scale, signed=True)
-            + (
-                ""
-                if line.low is None
-                else f" [{number(line.low, scale, signed=True)}, "
-                f"{number(line.high, scale, signed=True)}]"
-            )
-        )
+        scale = (line.random or line.kit or line.start).mean
+        paper = ""
+        if line.paper:
+            paper = f"{deltas_text(line.paper.deltas) or 'none reported'} ({line.paper.source})"
+        delta = ""
+        if line.delta is not None:
+            delta = number(line.delta, scale, signed=True)
+        if line.low is not None:
+            delta += f" [{number(line.low, scale, signed=True)}, "
+            delta += f"{number(line.high, scale, signed=True)}]"
         cells = (
             line.experiment,
             line.metric,
@@ -302,8 +272,7 @@ def to_markdown(lines: list[TableLine]) -> str:
 
 
 def provenance(folder: str | Path = COMMITTED) -> dict:
-    """How each committed rows file was made: `{file name: {command, commit, date, seconds, cores,
-    load_average}}`."""
+    """How each committed rows file was made: {file name: {command, commit, date, seconds, …}}."""
     return read_json(path) if (path := Path(folder, "provenance.json")).exists() else {}
 
 
@@ -311,7 +280,9 @@ def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
     """Copy the rows of a runner folder's notebooks that ran to the end into `folder`, as
     `<notebook>.<profile>.json`, noting in its provenance.json how they were made."""
     run_dir, folder = Path(run_dir), Path(folder)
-    run, made, written = read_json(run_dir / "run.json"), provenance(folder), []
+    run = read_json(run_dir / "run.json")
+    made = provenance(folder)
+    written = []
     for source in sorted((run_dir / "results").glob("*.json")):
         if run["notebooks"].get(source.stem, {}).get("status") == "ok":
             written.append(
@@ -328,26 +299,21 @@ def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
 
 
 def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool = False) -> bool:
-    """Rewrite the README's table (between its markers) of the committed `*.cpu.json` rows at the
-    commit that made each file, without dev metrics, and each run's measured time; with `check`,
-    only compare. True if current."""
-    made, files = provenance(folder), sorted(Path(folder).glob("*.cpu.json"))
-    table = to_markdown(
-        [
-            line
-            for f in files
-            for line in build_table(
-                [r for r in read_rows(f) if not r["metric"].startswith("dev_")],
-                made.get(f.name, {}).get("commit", ""),
+    """Rewrite the README's table (between its markers) of the committed `*.cpu.json` rows, less dev
+    metrics, at each file's commit, with each run's time; `check`: only compare. True if current."""
+    made = provenance(folder)
+    lines = []
+    times = []
+    for f in sorted(Path(folder).glob("*.cpu.json")):
+        how = made.get(f.name, {})
+        lines += build_table(
+            [r for r in read_rows(f) if not r["metric"].startswith("dev_")], how.get("commit", "")
+        )
+        if how.get("seconds"):
+            times.append(
+                f"{f.name.partition('.')[0]} {how['seconds'] / 60:.0f} min on {how['cores']} cores"
             )
-        ]
-    )
-    times = [
-        f"{f.name.partition('.')[0]} {p['seconds'] / 60:.0f} min on {p['cores']} cores"
-        for f in files
-        if (p := made.get(f.name, {})).get("seconds")
-    ]
-    table += f"\nMeasured wall time of each run: {', '.join(times)}\n"
+    table = to_markdown(lines) + f"\nMeasured wall time of each run: {', '.join(times)}\n"
     text = Path(readme).read_text()
     if text.count(README_START) != 1 or text.count(README_END) != 1:
         raise ValueError(f"{readme} needs exactly one {README_START!r} and one {README_END!r} line")
@@ -363,27 +329,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m gcbs_lib.results", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("command", choices=("collect", "readme"), help="collect RUN_DIR, or readme")
-    parser.add_argument(
-        "run_dir", type=Path, nargs="?", help="collect: a folder written by gcbs_lib.reproduce"
-    )
-    parser.add_argument(
-        "--results-dir", type=Path, default=COMMITTED, help="committed rows (default: results/)"
-    )
-    parser.add_argument("--readme", type=Path, default=REPOSITORY / "README.md")
+    add = parser.add_argument
+    add("command", choices=("collect", "readme"), help="collect RUN_DIR, or readme")
+    add("run_dir", type=Path, nargs="?", help="collect: a folder written by gcbs_lib.reproduce")
+    add("--results-dir", type=Path, default=COMMITTED, help="committed rows (default: results/)")
+    add("--readme", type=Path, default=REPOSITORY / "README.md")
     args = parser.parse_args(argv)
+    if args.command == "collect" and args.run_dir is None:
+        parser.error("collect needs RUN_DIR")
     try:  # a missing or corrupt file: one line, no traceback
         if args.command == "collect":
-            for path in collect(
-                args.run_dir or parser.error("collect needs RUN_DIR"), args.results_dir
-            ):
+            for path in collect(args.run_dir, args.results_dir):
                 print(f"wrote {path}")
         current = update_readme(args.readme, args.results_dir)
     except (OSError, ValueError) as error:
         parser.error(str(error))
-    print(
-        f"{args.readme}: the cpu-profile table {'is up to date' if current else 'was regenerated'}"
-    )
+    state = "is up to date" if current else "was regenerated"
+    print(f"{args.readme}: the cpu-profile table {state}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ command (also under torchrun): `python -m gcbs_lib.train --experiment codesearch
 the global one reseeded at each step: a rerun resumes bitwise from checkpoint.pt."""
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -25,11 +24,12 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, results, seeding
+from gcbs_lib.check import as_type, require
 from gcbs_lib.data import write_atomic
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # where a run is, beside its tensors
-STATE = ("step", "epoch", "position", "plan", "best", "log_lines")
+STATE = ("step", "epoch", "position", "plan", "best")
 RESUMABLE = {
     "checkpoint_every",
     "eval_every",
@@ -42,8 +42,7 @@ RESUMABLE = {
 
 @dataclass
 class TrainConfig:
-    """Everything a run depends on; the experiment's own settings are `options` (its `Options`
-    dataclass)."""
+    """Everything a run depends on; `options`: the experiment's own settings (its `Options`)."""
 
     experiment: str
     profile: str = "ci"
@@ -96,35 +95,21 @@ class TrainConfig:
             "scale",
             "max_scale",
         )
-        if wrong := [
-            key for key in positive if getattr(self, key) is not None and not getattr(self, key) > 0
-        ]:
-            raise ValueError(f"{', '.join(wrong)} must be positive")
+        values = {key: getattr(self, key) for key in positive}
+        wrong = [key for key, value in values.items() if value is not None and not value > 0]
+        require(not wrong, f"{', '.join(wrong)} must be positive")
 
 
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """`value` (typed, or a `--set` string read as yaml) as the field type `annotation`, or a clear
-    error."""
-    choices = (get_args(annotation) if get_origin(annotation) is not Literal else ()) or (
-        annotation,
-    )
+def _typed(key: str, value: Any, kind: Any) -> Any:
+    """A config value as its field's type `kind`: a `--set` text is read as YAML unless the field
+    takes text, and "none" is None where the field allows None."""
     parsed = yaml.safe_load(value) if isinstance(value, str) and value.strip() else value
-    if type(None) in choices and (parsed is None or parsed in ("none", "None")):
+    choices = get_args(kind) if get_origin(kind) is not Literal else ()
+    if type(None) in choices and parsed in (None, "none", "None"):
         return None
-    for choice in choices:
-        if choice is Any or choice is str and isinstance(value, str) or value in get_args(choice):
-            return value
-        if choice in (int, bool) and type(parsed) is choice:
-            return parsed
-        if choice is float and type(parsed) in (int, float, str):
-            with contextlib.suppress(ValueError):
-                return float(parsed)  # yaml reads 3e-5 as a string
-    name = (
-        annotation.__name__
-        if isinstance(annotation, type)
-        else str(annotation).replace("typing.", "")
-    )
-    raise ValueError(f"{key} must be {name}, got {value!r}")
+    text = kind is str or str in choices or get_origin(kind) is Literal
+    name = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
+    return as_type(value if text else parsed, kind, f"{key} must be {name}, got {value!r}")
 
 
 def load_config(
@@ -135,15 +120,13 @@ def load_config(
     `TrainConfig` fields and the experiment's `Options` fields."""
     options_class = experiments.get(experiment).Options
     sections = yaml.safe_load((CONFIG_DIR / f"{experiment}.yaml").read_text())
-    if profile not in sections or profile == "common":
-        raise ValueError(
-            f"unknown profile {profile!r} for {experiment}; known: "
-            f"{sorted(set(sections) - {'common'})}"
-        )
+    known = sorted(set(sections) - {"common"})
+    require(profile in known, f"unknown profile {profile!r} for {experiment}; known: {known}")
     train_types = {
         k: v for k, v in get_type_hints(TrainConfig).items() if k not in ("experiment", "options")
     }
-    types, values = {**get_type_hints(options_class), **train_types}, {}
+    types = {**get_type_hints(options_class), **train_types}
+    values = {}
     for key, value in {
         **(sections.get("common") or {}),
         **(sections[profile] or {}),
@@ -155,7 +138,7 @@ def load_config(
                 f"unknown config key {key!r}; training keys: {', '.join(sorted(train_types))}; "
                 f"{experiment} keys: {', '.join(sorted(set(types) - set(train_types)))}"
             )
-        values[key] = _coerce(key, value, types[key])
+        values[key] = _typed(key, value, types[key])
     options = options_class(**{k: v for k, v in values.items() if k not in train_types})
     return TrainConfig(
         experiment, options=options, **{k: v for k, v in values.items() if k in train_types}
@@ -163,8 +146,7 @@ def load_config(
 
 
 def code_fingerprint() -> dict:
-    """The sha256 of the package's code and profiles (files sorted by path), its commit (`git
-    describe`), now."""
+    """The sha256 of the package's code and profiles (sorted by path), its git commit, and now."""
     code = b"".join(
         p.read_bytes()
         for p in sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")])
@@ -177,8 +159,7 @@ def code_fingerprint() -> dict:
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """A checkpoint written by `train`, on the CPU, tensors and plain containers only
-    (`weights_only`)."""
+    """A checkpoint written by `train`, loaded to the CPU with `weights_only`."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a corrupt file raises one of many kinds
@@ -187,9 +168,95 @@ def load_checkpoint(path: str | Path) -> dict:
         ) from None
 
 
+class RunFolder:
+    """What a run keeps in its output folder, written by rank 0: metrics.jsonl, best.pt, and
+    checkpoint.pt, which also holds the settings and the code (`code_fingerprint`) that made it."""
+
+    def __init__(self, folder: str | Path, config: TrainConfig, main: bool):
+        self.dir = Path(folder)
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ValueError(
+                f"output directory {self.dir} is a file: name a folder (made if missing)"
+            )
+        self.config = config
+        self.main = main
+        self.log_lines = 0  # what metrics.jsonl holds of this run
+
+    def resume(self, stateful: dict, total_steps: int, world_size: int) -> dict:
+        """Load `stateful` from checkpoint.pt and return where the run was (`STATE`), if this code
+        made it; {} for a new run, or a redo of one made by other code. Other settings: refused."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / "checkpoint.pt"
+        self.code = code_fingerprint()
+        state = load_checkpoint(path) if path.exists() else {}
+        settings = asdict(self.config)
+        old = state.get("config", settings)
+        changed = [k for k, v in settings.items() if k not in RESUMABLE and old.get(k) != v]
+        if changed:
+            raise ValueError(
+                f"{path} was written with other settings ({', '.join(changed)}): use another "
+                "output directory, or the same settings to resume"
+            )
+        made = state.get("code", {})
+        say = tqdm.write if self.main else lambda message: None
+        if state and made.get("sha256") != self.code["sha256"]:
+            say(
+                f"redoing {self.dir}: its checkpoint was made by other code (commit "
+                f"{made.get('commit', 'unknown')}, {made.get('date', 'unknown date')})"
+            )
+            if world_size > 1:
+                dist.barrier()  # every rank has read it before rank 0 removes it
+            for name in ("checkpoint.pt", "best.pt", "metrics.jsonl", "results.json"):
+                if self.main:
+                    (self.dir / name).unlink(missing_ok=True)
+            state = {}
+        log = self.dir / "metrics.jsonl"
+        if not state:
+            if self.main:
+                log.write_text("")
+            return {}
+        finished = state["step"] == total_steps
+        say(
+            f"reusing {self.dir}: finished at step {state['step']}, made {made['date']}, commit "
+            f"{made['commit']}"
+            if finished
+            else f"resuming {path} at step {state['step']} of {total_steps}"
+        )
+        for key, part in stateful.items():
+            part.load_state_dict(state[key])
+        self.log_lines = state["log_lines"]
+        if self.main:  # drop what the interrupted run logged after this checkpoint
+            log.write_text("".join(log.read_text().splitlines(keepends=True)[: self.log_lines]))
+        return {key: state[key] for key in STATE}
+
+    def save(self, stateful: dict, where: dict) -> None:
+        """Write checkpoint.pt: the state of `stateful`, where the run is, its settings and code."""
+        if self.main:
+            state = {**where, "log_lines": self.log_lines, "config": asdict(self.config)}
+            state |= {key: part.state_dict() for key, part in stateful.items()}
+            write_atomic(
+                self.dir / "checkpoint.pt", partial(torch.save, {**state, "code": self.code})
+            )
+
+    def save_best(self, model: torch.nn.Module, best: dict) -> None:
+        if self.main:
+            write_atomic(
+                self.dir / "best.pt", partial(torch.save, {"model": model.state_dict(), **best})
+            )
+
+    def log(self, record: dict) -> None:
+        if self.main:
+            with open(self.dir / "metrics.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            self.log_lines += 1
+
+    def records(self, kind: str) -> list[dict]:
+        lines = (self.dir / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
 class TrainingDiverged(FloatingPointError):
-    """A non-finite loss or gradient norm: the run stops before the broken state reaches a
-    checkpoint."""
+    """A non-finite loss or gradient norm: the run stops before a checkpoint keeps it."""
 
 
 class RanksOutOfSync(RuntimeError):
@@ -200,15 +267,12 @@ class Trainer:
     """One run: `Trainer(config, output_dir).fit()` is `train(config, output_dir)`."""
 
     def __init__(self, config: TrainConfig, output_dir: str | Path):
-        self.config, self.dir = config, Path(output_dir)
-        if self.dir.exists() and not self.dir.is_dir():
-            raise ValueError(
-                f"output directory {self.dir} is a file: name a folder (made if missing)"
-            )
+        self.config = config
         self.rank, self.world_size = distributed.rank_and_world_size()
-        self.main, part = self.rank == 0, config.batch_size // self.world_size
-        # this rank's rows of each global batch
-        self.rows = slice(self.rank * part, (self.rank + 1) * part)
+        self.main = self.rank == 0
+        self.run = RunFolder(output_dir, config, self.main)
+        part = config.batch_size // self.world_size
+        self.rows = slice(self.rank * part, (self.rank + 1) * part)  # this rank's of each batch
         self.device = torch.device(
             f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if config.device == "cuda" else "cpu"
         )
@@ -218,29 +282,31 @@ class Trainer:
             config.options, seed=config.seed, device=self.device
         )
         self.train_set = self.experiment.load_data()
-        self.steps_per_epoch = (n := self.train_set.size) // config.batch_size
+        n = self.train_set.size
+        self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
         )
-        if config.batch_size % self.world_size or not self.total_steps:
-            raise ValueError(
-                f"batch_size {config.batch_size} must divide over {self.world_size} ranks and be "
-                f"≤ {n}"
-            )
+        require(
+            config.batch_size % self.world_size == 0,
+            f"batch_size {config.batch_size} must divide over {self.world_size} ranks",
+        )
+        require(
+            self.total_steps > 0,
+            f"batch_size {config.batch_size} must be ≤ {n}, the training set's size",
+        )
         if config.sampler == "hard_negatives" and not self.experiment.supports_mining:
             raise ValueError(f"experiment {config.experiment!r} does not take mined negatives")
         torch.manual_seed(seeding.stream_seed(config.seed, 0, "init"))
         dtype = getattr(torch, config.dtype)
         self.model = self.experiment.build_model().to(self.device, dtype)
-        self.scale = (
-            losses.LogitScale(config.scale, config.max_scale).to(self.device, dtype)
-            if config.learnable_scale
-            else config.scale
-        )
-        self.stateful = {
-            "model": self.model,
-            **({"scale": self.scale} if config.learnable_scale else {}),
-        }
+        self.scale = config.scale
+        if config.learnable_scale:
+            self.scale = losses.LogitScale(config.scale, config.max_scale).to(self.device, dtype)
+        # what checkpoint.pt restores, with the optimizer and scheduler below
+        self.stateful = {"model": self.model}
+        if config.learnable_scale:
+            self.stateful["scale"] = self.scale
         self.parameters = [
             p for part in self.stateful.values() for p in part.parameters() if p.requires_grad
         ]
@@ -255,134 +321,78 @@ class Trainer:
             if self.world_size > 1 and any(p.requires_grad for p in m.parameters())
         }
         self.branch_modules = [wrapped.get(id(m), m) for m in modules]
-        make, extra = (
-            (torch.optim.SGD, {"momentum": 0.9})
-            if config.optimizer == "sgd"
-            else (torch.optim.AdamW, {})
+        optimizers = {"adamw": torch.optim.AdamW, "sgd": partial(torch.optim.SGD, momentum=0.9)}
+        self.optimizer = optimizers[config.optimizer](
+            self.parameters, lr=config.lr, weight_decay=config.weight_decay
         )
-        self.optimizer = make(
-            self.parameters, lr=config.lr, weight_decay=config.weight_decay, **extra
-        )
+        schedule = "constant_with_warmup" if config.schedule == "constant" else config.schedule
         self.scheduler = get_scheduler(
-            "constant_with_warmup" if config.schedule == "constant" else config.schedule,
-            self.optimizer,
-            config.warmup_steps,
-            self.total_steps,
+            schedule, self.optimizer, config.warmup_steps, self.total_steps
         )
-        # what checkpoint.pt restores
         self.stateful.update(optimizer=self.optimizer, scheduler=self.scheduler)
-        self.step, self.epoch, self.position, self.plan, self.best, self.log_lines = (
-            0,
-            0,
-            0,
-            None,
-            {"value": None},
-            0,
-        )
+        self.step = 0
+        self.epoch = 0
+        self.position = 0  # the batches of the epoch's plan taken
+        self.plan = None  # the epoch's batches (and mined negatives), the same on every rank
+        self.best = {"value": None}  # the best dev score so far, and its step
 
     def fit(self) -> dict | None:
-        """Resume; plan each epoch, then collate, step, log, evaluate, checkpoint; score best.pt;
-        rank 0's summary."""
+        """Resume; plan each epoch; collate, step, log, evaluate, save; score best.pt (rank 0)."""
         config = self.config
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._resume()
+        vars(self).update(self.run.resume(self.stateful, self.total_steps, self.world_size))
         if self.main and self.step == 0:  # the untrained model: the dev curve's first point
             self._evaluate_dev()
-        for _ in tqdm(
-            range(self.step, self.total_steps), disable=not (config.progress and self.main)
-        ):
+        shown = config.progress and self.main
+        for _ in tqdm(range(self.step, self.total_steps), disable=not shown):
             if self.plan is None or self.position == self.steps_per_epoch:  # a new epoch
                 self.epoch, self.position = self.epoch + (self.plan is not None), 0
                 self.plan = self._plan_epoch()
-            torch.manual_seed(
-                seeding.stream_seed(
-                    config.seed, self.epoch, f"dropout/rank{self.rank}/step{self.step}"
-                )
-            )
+            dropout = f"dropout/rank{self.rank}/step{self.step}"
+            torch.manual_seed(seeding.stream_seed(config.seed, self.epoch, dropout))
+            # this rank's items (and their negatives)
             rows = [
                 None if part is None else part[self.position, self.rows].tolist()
                 for part in self.plan.values()
             ]
-            # this rank's items (and their negatives)
             record = self._train_step(self.experiment.collate(*rows))
             self.step, self.position = self.step + 1, self.position + 1
-            self._log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
+            self.run.log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
             done = self.step == self.total_steps
-            if self.main and (
-                config.eval_every
-                and self.step % config.eval_every == 0
-                or done
-                or self.position == self.steps_per_epoch
-            ):
+            epoch_end = self.position == self.steps_per_epoch
+            due = config.eval_every and self.step % config.eval_every == 0
+            if self.main and (due or done or epoch_end):
                 self._evaluate_dev()
-            if self.main and (self.step % config.checkpoint_every == 0 or done):
-                state = {k: getattr(self, k) for k in STATE} | {
-                    k: v.state_dict() for k, v in self.stateful.items()
-                }
-                state.update(config=asdict(config), code=self.code)
-                write_atomic(self.dir / "checkpoint.pt", partial(torch.save, state))
+            if self.step % config.checkpoint_every == 0 or done:
+                self.run.save(self.stateful, {key: getattr(self, key) for key in STATE})
         return self._summary() if self.main else None
 
     def _evaluate_dev(self) -> None:
         """Score the model on dev and log it; rank 0 keeps the best so far as best.pt."""
         scores = self._in_eval_mode(self.experiment.evaluate, "dev")
-        value, best = scores[self.experiment.dev_metric], self.best["value"]
-        if best is None or value > best:
+        value = scores[self.experiment.dev_metric]
+        if self.best["value"] is None or value > self.best["value"]:
             self.best = {"value": value, "step": self.step}
-            saved = {"model": self.model.state_dict(), **self.best}
-            write_atomic(self.dir / "best.pt", lambda file: torch.save(saved, file))
-        self._log(
+            self.run.save_best(self.model, self.best)
+        self.run.log(
             {"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores}
         )
 
     def _plan_epoch(self) -> dict:
         """Each rank embeds its share of the training set; rank 0 plans the epoch's batches on the
         device and logs their cost and loss gap; every rank receives the plan."""
-        config, b, plan, (n, keys) = self.config, self.config.batch_size, [None], self.train_set
-        start, negatives = time.perf_counter(), None
-        # one embedding of the training set serves both
-        if config.sampler != "random" or config.log_loss_gap:
-            share = torch.arange(n).tensor_split(self.world_size)[self.rank]
-            pairs = self._in_eval_mode(
-                lambda model: [
-                    self.experiment.pair_embeddings(model, items)
-                    for items in share.split(config.embed_batch_size)
-                ]
-            )
-            z1, z2 = (
-                distributed.gather_ragged(torch.cat([pair[i].float() for pair in pairs]))
-                for i in (0, 1)
-            )
+        config = self.config
+        start = time.perf_counter()
+        z1 = z2 = None
+        if config.sampler != "random" or config.log_loss_gap:  # one embedding serves both
+            share = torch.arange(self.train_set.size).tensor_split(self.world_size)[self.rank]
+            embed = partial(self._in_eval_mode, self.experiment.pair_embeddings)
+            pairs = [embed(items) for items in share.split(config.embed_batch_size)]
+            z1 = distributed.gather_ragged(torch.cat([pair[0].float() for pair in pairs]))
+            z2 = distributed.gather_ragged(torch.cat([pair[1].float() for pair in pairs]))
         embedded = time.perf_counter()
+        plan = [None]
         if self.main:
-            shuffle, mine = (
-                seeding.generator(config.seed, self.epoch, purpose)
-                for purpose in ("shuffle", "mining")
-            )
-            order = torch.randperm(n, generator=shuffle)
-            batches = (
-                order[: self.steps_per_epoch * b].view(-1, b)
-                if config.sampler != "gcbs"
-                else gcbs.gcbs_batches(
-                    z1,
-                    z2,
-                    b,
-                    quantile=config.gcbs_quantile,
-                    seed=config.seed,
-                    epoch=self.epoch,
-                    keys=keys,
-                )
-            )
-            if config.sampler == "hard_negatives":
-                negatives = mining.mine_hard_negatives(
-                    z1,
-                    z2,
-                    batches,
-                    top_k=config.mine_top_k,
-                    skip=config.mine_skip,
-                    keys=keys,
-                    generator=mine,
-                )
+            plan = [self._sample(z1, z2)]
             record = {
                 "kind": "epoch",
                 "epoch": self.epoch,
@@ -392,20 +402,48 @@ class Trainer:
                 "sampler_seconds": time.perf_counter() - embedded,
             }
             if config.log_loss_gap:
-                items = batches.reshape(-1)
+                items = plan[0]["batches"].reshape(-1)
+                tau = 1 / self._scale()
                 record["loss_gap"] = gcbs.loss_gap(
-                    z1[items], z2[items], torch.arange(len(items)), b, 1 / self._scale()
+                    z1[items], z2[items], torch.arange(len(items)), config.batch_size, tau
                 )
-            self._log(record)
-            plan = [{"batches": batches, "negatives": negatives}]
+            self.run.log(record)
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
         return plan[0]
 
+    def _sample(self, z1: torch.Tensor | None, z2: torch.Tensor | None) -> dict:
+        """The epoch's batches by the sampler and any mined negatives, each from its own stream."""
+        config = self.config
+        b = config.batch_size
+        epoch = self.epoch
+        keys = self.train_set.duplicate_keys
+        if config.sampler == "gcbs":
+            batches = gcbs.gcbs_batches(
+                z1, z2, b, quantile=config.gcbs_quantile, seed=config.seed, epoch=epoch, keys=keys
+            )
+        else:
+            shuffle = seeding.generator(config.seed, epoch, "shuffle")
+            order = torch.randperm(self.train_set.size, generator=shuffle)
+            batches = order[: self.steps_per_epoch * b].view(-1, b)
+        if config.sampler != "hard_negatives":
+            return {"batches": batches, "negatives": None}
+        rng = seeding.generator(config.seed, epoch, "mining")
+        negatives = mining.mine_hard_negatives(
+            z1,
+            z2,
+            batches,
+            top_k=config.mine_top_k,
+            skip=config.mine_skip,
+            keys=keys,
+            generator=rng,
+        )
+        return {"batches": batches, "negatives": negatives}
+
     def _train_step(self, batch: experiments.Batch) -> dict:
-        """Forward and backward (through GradCache with `chunk_size`), gradient all-reduce, clip,
-        optimizer step."""
-        config, start = self.config, time.perf_counter()
+        """Forward and backward (GradCache with `chunk_size`), all-reduce, clip, optimizer step."""
+        config = self.config
+        start = time.perf_counter()
         batch = experiments.Batch(*experiments.to_device([batch.inputs, batch.extra], self.device))
         loss_fn = lambda *embeddings: self.experiment.loss(embeddings, batch, self.scale)  # noqa: E731
         if config.chunk_size is not None:
@@ -428,16 +466,17 @@ class Trainer:
                     f"{what} is not finite at step {self.step + 1} (scale {self._scale():g}, lr "
                     f"{config.lr}): too low a temperature, too high a learning rate, NaN inputs?"
                 )
-        # the sync check comes after the finiteness checks:
-        checked, every = {}, config.sync_check_every
-        # inf − inf would read as out of sync
+        # the sync check comes after the finiteness checks: inf − inf would read as out of sync
+        checked = {}
+        every = config.sync_check_every
         if self.world_size > 1 and every and (self.step + 1) % every == 0:
             grads = [p.grad for p in self.parameters if p.grad is not None]
-            checked = {"rank_difference": distributed.rank_difference([*self.parameters, *grads])}
-            if not checked["rank_difference"] <= config.sync_tolerance:
+            difference = distributed.rank_difference([*self.parameters, *grads])
+            checked = {"rank_difference": difference}
+            if not difference <= config.sync_tolerance:
                 raise RanksOutOfSync(
                     f"ranks out of sync at step {self.step + 1}: parameters or gradients differ "
-                    f"between the {self.world_size} ranks by up to {checked['rank_difference']:.3g}"
+                    f"between the {self.world_size} ranks by up to {difference:.3g}"
                 )
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -464,60 +503,8 @@ class Trainer:
         self.model.train()
         return result
 
-    def _log(self, record: dict) -> None:
-        if self.main:
-            with open(self.dir / "metrics.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-            self.log_lines += 1
-
-    def _resume(self) -> None:
-        """Restore checkpoint.pt if this code made it (else redo the run; other settings: refused),
-        and say so."""
-        path, log, self.code = (
-            self.dir / "checkpoint.pt",
-            self.dir / "metrics.jsonl",
-            code_fingerprint(),
-        )
-        state = load_checkpoint(path) if path.exists() else {}
-        old = state.get("config", asdict(self.config))
-        if changed := [
-            k for k, v in asdict(self.config).items() if k not in RESUMABLE and old.get(k) != v
-        ]:
-            raise ValueError(
-                f"{path} was written with other settings ({', '.join(changed)}): use another "
-                "output "
-                f"directory, or the same settings to resume"
-            )
-        made, say = state.get("code", {}), tqdm.write if self.main else lambda message: None
-        if state and made.get("sha256") != self.code["sha256"]:
-            say(
-                f"redoing {self.dir}: its checkpoint was made by other code (commit "
-                f"{made.get('commit', 'unknown')}, "
-                f"{made.get('date', 'unknown date')})"
-            )
-            if self.world_size > 1:
-                dist.barrier()  # every rank has read it before rank 0 removes it
-            for name in ("checkpoint.pt", "best.pt", "metrics.jsonl", "results.json"):
-                if self.main:
-                    (self.dir / name).unlink(missing_ok=True)
-            state = {}
-        if not state:
-            return log.write_text("") if self.main else None
-        say(
-            f"reusing {self.dir}: finished at step {state['step']}, made {made['date']}, commit "
-            f"{made['commit']}"
-            if state["step"] == self.total_steps
-            else f"resuming {path} at step {state['step']} of {self.total_steps}"
-        )
-        for key, part in self.stateful.items():
-            part.load_state_dict(state[key])
-        vars(self).update({key: state[key] for key in STATE})
-        if self.main:  # drop what the interrupted run logged after this checkpoint
-            log.write_text("".join(log.read_text().splitlines(keepends=True)[: self.log_lines]))
-
     def score(self, split: str) -> list[dict]:
-        """The model's scores on `split` as result rows (metric `<split>_<name>`; untrained: arm
-        "start")."""
+        """The model's scores on `split` as result rows, metrics named `<split>_<name>`."""
         config, experiment = self.config, self.experiment
         fields = dict(
             experiment=config.experiment,
@@ -533,29 +520,16 @@ class Trainer:
         ]
 
     def _summary(self) -> dict:
-        """Score best.pt on the test split into results.json (with its dev score); the run's
-        summary."""
-        config, experiment, best = (
-            self.config,
-            self.experiment,
-            load_checkpoint(self.dir / "best.pt"),
-        )
+        """Score best.pt on test into results.json, with its dev score; return the run's summary."""
+        config = self.config
+        best = load_checkpoint(self.run.dir / "best.pt")
         self.model.load_state_dict(best["model"])
         rows = self.score("test")
-        rows.append(
-            results.result_row(
-                **{**rows[0], "metric": f"dev_{experiment.dev_metric}", "value": best["value"]}
-            )
-        )
-        results.write_rows(self.dir / "results.json", rows)
-        records = [
-            json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines()
-        ]
-        records = {
-            kind: [r for r in records if r["kind"] == kind] for kind in ("step", "epoch", "eval")
-        }
+        dev = {**rows[0], "metric": f"dev_{self.experiment.dev_metric}", "value": best["value"]}
+        rows.append(results.result_row(**dev))
+        results.write_rows(self.run.dir / "results.json", rows)
         return {
-            "output_dir": str(self.dir),
+            "output_dir": str(self.run.dir),
             "experiment": config.experiment,
             "arm": rows[0]["arm"],
             "seed": config.seed,
@@ -563,16 +537,15 @@ class Trainer:
             "steps_per_epoch": self.steps_per_epoch,
             "best_step": self.best.get("step"),
             "rows": rows,
-            "epochs": records["epoch"],
-            "dev": records["eval"],
+            "epochs": self.run.records("epoch"),
+            "dev": self.run.records("eval"),
             "test": {r["metric"][5:]: r["value"] for r in rows if r["metric"].startswith("test_")},
-            "train_seconds": sum(r["seconds"] for r in records["step"]),
+            "train_seconds": sum(r["seconds"] for r in self.run.records("step")),
         }
 
 
 def train(config: TrainConfig, output_dir: str | Path) -> dict | None:
-    """Train `config` into `output_dir` (resuming from its checkpoint.pt); rank 0 returns the run's
-    summary."""
+    """Train `config` into `output_dir`, resuming its checkpoint.pt; rank 0 returns the summary."""
     return Trainer(config, output_dir).fit()
 
 

@@ -1,10 +1,12 @@
 """Specification of the comparison rows the notebooks print: bitwise equality and norm-wise relative
-error."""
+error; and of `as_type`, which types the settings train and reproduce read from text."""
+
+from typing import Any, Literal
 
 import pytest
 import torch
 
-from gcbs_lib.check import cmp_table, compare, relative_error, tolerance
+from gcbs_lib.check import as_type, cmp_table, compare, relative_error, tolerance
 
 
 def test_relative_error_is_the_norm_of_the_difference_over_the_norm_of_the_reference():
@@ -45,3 +47,15 @@ def test_the_table_names_its_columns_for_what_they_measure():
 def test_shapes_that_differ_are_refused():
     with pytest.raises(ValueError, match="shape mismatch"):
         compare("x", torch.ones(3), torch.ones(2, 3))
+
+
+def test_as_type_keeps_a_value_of_the_type_and_makes_a_float_of_an_int_or_a_number_text():
+    assert as_type(3, int, "wrong") == 3 and as_type(None, int | None, "wrong") is None
+    assert as_type(2, float, "wrong") == 2.0 and isinstance(as_type(2, float, "wrong"), float)
+    assert as_type("3e-5", float, "wrong") == 3e-5  # YAML reads 3e-5 as text
+    assert as_type("gcbs", Literal["random", "gcbs"], "wrong") == "gcbs"
+    assert as_type([1], list, "wrong") == [1] and as_type({"a": 1}, Any, "wrong") == {"a": 1}
+    refused = [(True, int), ("3", int), (1, bool), ("fast", float), (True, float), (3, str)]
+    for value, kind in [*refused, ("hard", Literal["gcbs"]), (None, int)]:
+        with pytest.raises(ValueError, match="^wrong$"):
+            as_type(value, kind, "wrong")

@@ -304,7 +304,7 @@ def test_gensim_standin_build_is_idempotent(standin_root):
 
 def test_a_missing_standin_is_built_by_its_data_script(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr("gcbs_lib.data.sts.run_data_script", lambda *args: calls.append(args))
+    monkeypatch.setattr("gcbs_lib.data.run_data_script", lambda *args: calls.append(args))
     assert standin_file("lee.tsv", tmp_path) == tmp_path / "sts" / "gensim-standin" / "lee.tsv"
     assert calls == [("build_sts_standin.py", "--root", tmp_path)]
 

@@ -242,7 +242,7 @@ def test_a_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, data_root):
 def test_an_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "checkpoint.pt"
     write_atomic(path, lambda file: torch.save({"step": 1, "model": {"w": torch.ones(2)}}, file))
-    with pytest.raises(pickle.PicklingError):
+    with pytest.raises((pickle.PicklingError, AttributeError)):  # a lambda cannot be pickled
         write_atomic(path, lambda file: torch.save({"step": 2, "unpicklable": lambda: None}, file))
     assert load_checkpoint(path)["step"] == 1
 

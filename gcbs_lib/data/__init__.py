@@ -18,26 +18,20 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 def data_root(
     chosen: str | None = None, option: str = "data_root", *, built_here: bool = False
 ) -> Path:
-    """The data folder: `chosen` (must exist, or its parent if `built_here`), else $GCBS_DATA_ROOT,
-    else <repo>/data."""
-    if (
-        chosen
-        and not (
-            Path(chosen).expanduser().parent if built_here else Path(chosen).expanduser()
-        ).is_dir()
-    ):
+    """The data folder: `chosen` (it, or if `built_here` its parent, exists), $GCBS_DATA_ROOT or
+    <repo>/data."""
+    folder = Path(chosen or os.environ.get("GCBS_DATA_ROOT") or REPOSITORY / "data").expanduser()
+    # a typo would put data at a stray place
+    if chosen and not (folder.parent if built_here else folder).is_dir():
         raise ValueError(
             f"{option} {chosen}{': its parent folder' if built_here else ''} does not exist: "
-            "create it, "
-            # a typo would put data at a stray place
-            f"or leave {option} unset for {data_root()}"
+            f"create it, or leave {option} unset for {data_root()}"
         )
-    return Path(chosen or os.environ.get("GCBS_DATA_ROOT") or REPOSITORY / "data").expanduser()
+    return folder
 
 
 def run_data_script(script: str, *args) -> None:
-    """Run `data_scripts/<script> args...` in a fresh Python; on failure raise with the end of its
-    output."""
+    """Run `data_scripts/<script> args...` in a fresh Python; a failure raises with its output."""
     done = subprocess.run(
         [sys.executable, str(REPOSITORY / "data_scripts" / script), *map(str, args)],
         capture_output=True,
@@ -50,9 +44,16 @@ def run_data_script(script: str, *args) -> None:
         )
 
 
+def ensure_built(folder: str | Path, script: str, *args) -> Path:
+    """`folder`, built first by `run_data_script(script, *args)` unless it holds the manifest.json
+    that `build_once` writes last."""
+    if not (Path(folder) / "manifest.json").is_file():
+        run_data_script(script, *args)
+    return Path(folder)
+
+
 def read_json(where: str | Path, text: str | None = None, hint: str = ""):
-    """The JSON value of the file `where`, or of `text` from there (`where`: "file:line"); errors
-    name `where`."""
+    """The JSON value of file `where`, or of `text` from it ("file:line"); errors name `where`."""
     try:
         return json.loads(Path(where).read_text() if text is None else text)
     except json.JSONDecodeError as error:
@@ -60,9 +61,8 @@ def read_json(where: str | Path, text: str | None = None, hint: str = ""):
 
 
 def write_atomic(path: str | Path, content: str | Callable[[Path], object]) -> Path:
-    """Write `content` (a text, or a function that writes the file it is given, such as `lambda
-    file: torch.save(state, file)`) through a temporary file and a rename, so that no reader ever
-    sees half a file."""
+    """Write `content` (a text, or a function writing the file it is given, as `partial(torch.save,
+    state)`) via a temporary file and a rename: no reader ever sees half a file."""
     temporary = Path(path).with_name(f".{Path(path).name}.tmp")
     temporary.parent.mkdir(parents=True, exist_ok=True)
     content(temporary) if callable(content) else temporary.write_text(content)
@@ -70,10 +70,9 @@ def write_atomic(path: str | Path, content: str | Callable[[Path], object]) -> P
 
 
 def build_once(folder: str | Path, spec: dict, write: Callable[[Path], dict]) -> Path:
-    """`folder`, built first unless its `manifest.json` matches `spec`: `write(staging)` fills a
-    staging folder and returns extra manifest fields, then one rename publishes it (no half builds;
-    concurrent callers such as DDP ranks are safe, the first rename wins; a build to another spec is
-    replaced)."""
+    """`folder`, built unless its `manifest.json` matches `spec`: `write(staging)` fills a staging
+    folder and returns extra manifest fields, then one rename publishes it (no half builds; the
+    first rename wins among concurrent callers, e.g. DDP ranks; another spec's build is redone)."""
     folder = Path(folder)
     if built(folder, spec):
         return folder
@@ -102,25 +101,12 @@ def built(folder: str | Path, spec: dict) -> bool:
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain containers, numbers, strings and numpy arrays only (unpickling otherwise runs
-    whatever code the file names); the published pickles the kit reads (HowTo100M captions,
-    CIFAR-10) hold only these."""
+    """Unpickles plain containers, numbers, strings and numpy arrays only (else unpickling runs
+    the code a file names); the kit's pickles (HowTo100M captions, CIFAR-10) hold nothing else."""
 
     ALLOWED = {
-        ("builtins", n)
-        for n in (
-            "dict",
-            "list",
-            "tuple",
-            "set",
-            "frozenset",
-            "str",
-            "bytes",
-            "int",
-            "float",
-            "complex",
-            "bool",
-        )
+        ("builtins", t.__name__)
+        for t in (dict, list, tuple, set, frozenset, str, bytes, int, float, complex, bool)
     }
     ALLOWED |= {
         (m, n)

@@ -2,13 +2,11 @@
 examples.
 
   CosQA          cosqa-retrieval-*.json, a JSON list: query `doc`, key `retrieval_idx` (`label`
-  ignored, as
-                 UniXcoder does). Pool: code_idx_map.txt, {code: retrieval_idx}.
+                 ignored, as UniXcoder does). Pool: code_idx_map.txt, {code: retrieval_idx}.
   AdvTest        {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens` (train) or
-  `function_tokens` (names
-                 normalised, valid/test), key `url`. Pool: the split file itself.
+                 `function_tokens` (names normalised, valid/test), key `url`. Pool: the split file.
   CodeSearchNet  {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens`, `url`. Pool:
-  codebase.jsonl.
+                 codebase.jsonl.
 
 The stdlib stand-in of `data_scripts/build_codesearch_standin.py` is written in the last two
 layouts."""
@@ -36,26 +34,26 @@ def load(path: str | Path) -> list[dict]:
         )
     text = path.read_text(encoding="utf-8")
     if path.name.endswith(".jsonl"):
+        lines = [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1)]
         examples = [
-            _example(read_json(f"{path}:{n}", line), f"{path}:{n}")
-            for n, line in enumerate(text.splitlines(), 1)
-            if line.strip()
+            _example(read_json(where, line), where) for where, line in lines if line.strip()
         ]
-    # code_idx_map
-    elif isinstance(
-        document := read_json(path, text, "; JSON-lines files are named *.jsonl"), dict
-    ):
-        require(
-            all(type(idx) is int for idx in document.values()),
-            f"{path}: a code map holds integer retrieval_idx",
-        )
-        examples = [
-            {"query": "", "code": _joined(code), "key": str(idx)} for code, idx in document.items()
-        ]
-    elif isinstance(document, list):
-        examples = [_example(row, f"{path}[{i}]") for i, row in enumerate(document)]
     else:
-        raise ValueError(f"{path}: expected a JSON list or object, got {type(document).__name__}")
+        document = read_json(path, text, "; JSON-lines files are named *.jsonl")
+        if isinstance(document, dict):  # code_idx_map
+            require(
+                all(type(idx) is int for idx in document.values()),
+                f"{path}: a code map holds integer retrieval_idx",
+            )
+            examples = [
+                {"query": "", "code": _joined(c), "key": str(i)} for c, i in document.items()
+            ]
+        elif isinstance(document, list):
+            examples = [_example(row, f"{path}[{i}]") for i, row in enumerate(document)]
+        else:
+            raise ValueError(
+                f"{path}: expected a JSON list or object, got {type(document).__name__}"
+            )
     require(examples, f"{path}: no code-search examples")
     return examples
 
@@ -63,10 +61,8 @@ def load(path: str | Path) -> list[dict]:
 def _example(row: dict, where: str) -> dict:
     """One row as {"query", "code", "key"}, with run.py's field choices."""
     require(isinstance(row, dict), f"{where}: expected a JSON object, got {type(row).__name__}")
-    code, key = (
-        row.get("function_tokens", row.get("code_tokens")),
-        row.get("url", row.get("retrieval_idx")),
-    )
+    code = row.get("function_tokens", row.get("code_tokens"))
+    key = row.get("url", row.get("retrieval_idx"))
     query = row.get("docstring_tokens")
     query = query if isinstance(query, list) else row.get("doc", query)
     require(
@@ -93,11 +89,11 @@ class RetrievalTask(NamedTuple):
 
 
 def retrieval_task(query_file: str | Path, pool_file: str | Path | None = None) -> RetrievalTask:
-    """Pair each query of `query_file` with the row of `pool_file` (None: the query file itself)
-    holding its key. As UniXcoder's script scores them: a repeated pool key keeps its first row, a
-    query with no match gets −1."""
+    """Pair each query of `query_file` with the row of `pool_file` (None: the query file) holding
+    its key, as UniXcoder's script does: a repeated key keeps its first row, no match gets −1."""
     queries = load(query_file)
-    pool, first = (queries if pool_file is None else load(pool_file)), {}
+    pool = queries if pool_file is None else load(pool_file)
+    first = {}  # key: its first row in the pool
     for row, example in enumerate(pool):
         first.setdefault(example["key"], row)
     index = {key: i for i, key in enumerate(first)}

