@@ -4,7 +4,7 @@ seed), tabulate with a verdict, plot."""
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from gcbs_lib.distributed import launch
+from gcbs_lib.launcher import launch
 from gcbs_lib.results import build_table, half_width, summarize, to_markdown
 from gcbs_lib.train import Trainer, load_config, train
 

@@ -244,6 +244,18 @@ def _trade(
     return None
 
 
+def consecutive_batches(order, batch_size: int, keys=None) -> torch.Tensor:
+    """An order read sequentially into its N // batch_size full batches, the short last one dropped:
+    a LongTensor [steps, batch_size]. With `keys` (duplicate texts: false negatives of each other),
+    no two items of one key share a batch. Every arm of a comparison cuts its order so."""
+    order = torch.as_tensor(order).tolist()
+    _check_batch_size(batch_size, len(order))
+    if keys is not None:
+        keys = keys.tolist() if hasattr(keys, "tolist") else list(keys)
+        require(len(keys) == len(order), f"{len(keys)} keys for {len(order)} items")
+    return torch.tensor(_cut(order, batch_size, keys), dtype=torch.long)
+
+
 def gcbs_batches(
     z1,
     z2,
@@ -261,11 +273,8 @@ def gcbs_batches(
     in one batch when keys are given, and the batch order shuffled from (seed, epoch,
     "gcbs-batch-shuffle")."""
     _check_batch_size(batch_size, len(z1))
-    if keys is not None:
-        keys = keys.tolist() if hasattr(keys, "tolist") else list(keys)
-        require(len(keys) == len(z1), f"{len(keys)} keys for {len(z1)} items")
     order = gcbs_permutation(z1, z2, quantile, stream_seed(seed, epoch, "gcbs-relabel"))
-    batches = torch.tensor(_cut(order.tolist(), batch_size, keys), dtype=torch.long)
+    batches = consecutive_batches(order, batch_size, keys)
     shuffle = torch.randperm(len(batches), generator=generator(seed, epoch, "gcbs-batch-shuffle"))
     return batches[shuffle]
 

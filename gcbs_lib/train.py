@@ -413,19 +413,17 @@ class Trainer:
         return plan[0]
 
     def _sample(self, z1: torch.Tensor | None, z2: torch.Tensor | None) -> dict:
-        """The epoch's batches by the sampler and any mined negatives, each from its own stream."""
+        """The epoch's batches and any mined negatives: the published GCBS order or a seeded random
+        one, read sequentially into batches alike (duplicate keys apart, the short last dropped)."""
         config = self.config
-        b = config.batch_size
         epoch = self.epoch
         keys = self.train_set.duplicate_keys
         if config.sampler == "gcbs":
-            batches = gcbs.gcbs_batches(
-                z1, z2, b, quantile=config.gcbs_quantile, seed=config.seed, epoch=epoch, keys=keys
-            )
+            order = gcbs.published_permutation(z1, z2, config.gcbs_quantile)
         else:
             shuffle = seeding.generator(config.seed, epoch, "shuffle")
             order = torch.randperm(self.train_set.size, generator=shuffle)
-            batches = order[: self.steps_per_epoch * b].view(-1, b)
+        batches = gcbs.consecutive_batches(order, config.batch_size, keys)
         if config.sampler != "hard_negatives":
             return {"batches": batches, "negatives": None}
         rng = seeding.generator(config.seed, epoch, "mining")
@@ -550,7 +548,7 @@ def train(config: TrainConfig, output_dir: str | Path) -> dict | None:
 
 
 def launched(config: dict, output_dir: str) -> dict | None:
-    """`train` from `asdict(config)` (JSON): the target of `gcbs_lib.distributed.launch`."""
+    """`train` from `asdict(config)` (JSON): the target of `gcbs_lib.launcher.launch`."""
     options = experiments.get(config["experiment"]).Options(**config["options"])
     return train(TrainConfig(**{**config, "options": options}), output_dir)
 

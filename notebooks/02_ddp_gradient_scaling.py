@@ -65,8 +65,9 @@ from gcbs_lib.ddp_scaling import (
     flat_gradients,
     global_batch,
 )
-from gcbs_lib.distributed import VirtualRanks, gather_with_grad, launch
+from gcbs_lib.distributed import VirtualRanks, gather_with_grad
 from gcbs_lib.gradcache import encode_in_chunks
+from gcbs_lib.launcher import launch
 from gcbs_lib.losses import info_nce, rank_info_nce
 from gcbs_lib.results import record, result_row
 

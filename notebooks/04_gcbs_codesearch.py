@@ -48,7 +48,7 @@ arms = ["random", "gcbs", "hard_negatives"]  # samplers compared; "random" is th
 data = ""  # empty: the profile's; else stdlib-csn, stdlib-advtest, cosqa, advtest, csn
 data_root = ""  # empty: gcbs_lib.data.data_root(), i.e. env GCBS_DATA_ROOT or <repo>/data
 overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
-nproc = 1  # DDP ranks per run (torchrun through gcbs_lib.distributed.launch)
+nproc = 1  # DDP ranks per run (torchrun through gcbs_lib.launcher.launch)
 backend = "gloo"  # "nccl" on GPUs
 output_dir = (
     "../runs/04_gcbs_codesearch"  # one folder per run; a finished run is loaded, not retrained

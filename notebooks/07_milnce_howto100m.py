@@ -88,8 +88,8 @@ from gcbs_lib.data.howto100m import (
     features_of,
     read_captions,
 )
-from gcbs_lib.distributed import launch
 from gcbs_lib.experiments.milnce import MilNce, gradient_check
+from gcbs_lib.launcher import launch
 from gcbs_lib.losses import mil_nce
 from gcbs_lib.measure import fresh_process_bytes
 from gcbs_lib.metrics import median_rank, ranks, recall_at

@@ -14,7 +14,7 @@ from gcbs_lib.comparison import (
     rows_of,
     run_arms,
 )
-from gcbs_lib.distributed import LaunchError
+from gcbs_lib.launcher import LaunchError
 from gcbs_lib.train import load_checkpoint
 
 

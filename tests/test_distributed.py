@@ -14,9 +14,9 @@ from gcbs_lib.distributed import (
     all_reduce_gradients,
     gather_ragged,
     gather_with_grad,
-    launch,
     rank_difference,
 )
+from gcbs_lib.launcher import launch
 
 
 def embeddings(n, dim=6, seed=0):
@@ -81,4 +81,4 @@ def test_launch_refuses_before_starting_anything_a_function_child_processes_cann
         with pytest.raises(ValueError, match="move it into gcbs_lib"):
             launch(target)
     with pytest.raises(ValueError, match="module:function"):
-        launch("gcbs_lib.distributed")
+        launch("gcbs_lib.launcher")

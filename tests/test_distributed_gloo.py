@@ -26,11 +26,11 @@ from gcbs_lib.distributed import (
     all_reduce_gradients,
     gather_ragged,
     gather_with_grad,
-    launch,
     rank_and_world_size,
     rank_difference,
 )
 from gcbs_lib.gradcache import encode_in_chunks
+from gcbs_lib.launcher import launch
 from gcbs_lib.losses import info_nce
 
 # 2 chunks per branch: 4 replays, only the last may sync

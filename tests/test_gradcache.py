@@ -14,8 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gcbs_lib import gradcache
 from gcbs_lib.check import relative_error, tolerance
-from gcbs_lib.distributed import gather_with_grad, launch, rank_and_world_size
+from gcbs_lib.distributed import gather_with_grad, rank_and_world_size
 from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks
+from gcbs_lib.launcher import launch
 from gcbs_lib.losses import LogitScale, info_nce, rank_info_nce, similarity
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 

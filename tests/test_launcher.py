@@ -1,4 +1,4 @@
-"""gcbs_lib.distributed.launch: rank 0's result back, the ranks' output echoed, a failing or stalled
+"""gcbs_lib.launcher.launch: rank 0's result back, the ranks' output echoed, a failing or stalled
 rank surfaced with its traceback, nothing left running. The targets are functions of this module
 (children import it by name)."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch.distributed as dist
 from conftest import child_command_lines
 
-from gcbs_lib.distributed import LaunchError, launch, rank_and_world_size
+from gcbs_lib.distributed import rank_and_world_size
+from gcbs_lib.launcher import LaunchError, launch
 
 
 def say_hello() -> tuple[int, int]:

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from gcbs_lib.check import relative_error
-from gcbs_lib.distributed import launch
 from gcbs_lib.experiments.milnce import MilNce, gradient_check
+from gcbs_lib.launcher import launch
 from gcbs_lib.seeding import generator
 from gcbs_lib.train import load_config, train
 

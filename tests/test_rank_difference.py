@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gcbs_lib.distributed import launch, rank_and_world_size, rank_difference
+from gcbs_lib.distributed import rank_and_world_size, rank_difference
+from gcbs_lib.launcher import launch
 
 
 def rank_tensors(rank: int) -> list[torch.Tensor]:

@@ -19,9 +19,19 @@ import torch.distributed as dist
 
 import gcbs_lib.train
 from gcbs_lib.data import write_atomic
-from gcbs_lib.distributed import LaunchError, launch
 from gcbs_lib.experiments.codesearch import CodeSearch
-from gcbs_lib.train import TrainingDiverged, launched, load_checkpoint, load_config, main, train
+from gcbs_lib.gcbs import consecutive_batches, published_permutation
+from gcbs_lib.launcher import LaunchError, launch
+from gcbs_lib.seeding import generator
+from gcbs_lib.train import (
+    Trainer,
+    TrainingDiverged,
+    launched,
+    load_checkpoint,
+    load_config,
+    main,
+    train,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {
@@ -262,6 +272,26 @@ def command(output_dir, data_root, **overrides):
         "3",
         *pairs,
     ]
+
+
+@pytest.mark.parametrize("sampler", ["random", "gcbs", "hard_negatives"])
+def test_every_arm_reads_its_order_into_batches_alike(tmp_path, data_root, sampler):
+    trainer = Trainer(
+        load_config("codesearch", "ci", settings(data_root, sampler=sampler)), tmp_path
+    )
+    n, b = trainer.train_set.size, trainer.config.batch_size
+    keys = [i % (n // 2) for i in range(n)]  # every item has one duplicate
+    trainer.train_set = trainer.train_set._replace(duplicate_keys=keys)
+    z1, z2 = torch.randn(2, n, 8, generator=torch.Generator().manual_seed(0))
+    plan = trainer._sample(z1, z2)
+    # gcbs: the published order, read sequentially (not shuffled); the others: the run's shuffle
+    order = torch.randperm(n, generator=generator(trainer.config.seed, 0, "shuffle"))
+    if sampler == "gcbs":
+        order = published_permutation(z1, z2, trainer.config.gcbs_quantile)
+    assert torch.equal(plan["batches"], consecutive_batches(order, b, keys))
+    assert plan["batches"].shape == (n // b, b)  # the short last batch dropped
+    assert all(len({keys[i] for i in batch}) == b for batch in plan["batches"].tolist())
+    assert (plan["negatives"] is not None) == (sampler == "hard_negatives")
 
 
 def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterrupted_run(

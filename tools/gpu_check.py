@@ -28,8 +28,8 @@ import torch
 
 from gcbs_lib import experiments, gcbs, seeding
 from gcbs_lib.check import compare, relative_error, tolerance
-from gcbs_lib.distributed import launch
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
+from gcbs_lib.launcher import launch
 from gcbs_lib.losses import info_nce
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 from gcbs_lib.train import load_checkpoint, load_config

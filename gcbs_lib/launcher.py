@@ -1,0 +1,111 @@
+"""Real ranks on one machine: `launch` runs a function on N local processes through
+torch.distributed's `elastic_launch` (torchrun's engine), each in a process group, and returns rank
+0's result; a rank that fails stops the job with its traceback."""
+
+import gc
+import importlib
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from gcbs_lib.check import require
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed: `rank` is the rank that failed first; the message holds its
+    traceback."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
+def launch(
+    target: str | Callable,
+    *,
+    nproc: int = 2,
+    backend: str = "gloo",
+    args: dict | None = None,
+    timeout: float | None = None,
+    echo: bool = True,
+):
+    """`target(**args)` on `nproc` local ranks started by torch.distributed's `elastic_launch`
+    (torchrun's engine), each in a process group of `backend` ("gloo"; "nccl": one GPU per rank):
+    rank 0's return value. `target`: a module-level function or "module:function" that child
+    processes can import (put a notebook's in gcbs_lib). `timeout`: seconds a rank may wait in a
+    collective (None: torch's default, 30 minutes, so a hung rank fails the job rather than holding
+    the node); `echo`: print the ranks' output live. A rank that raises stops the
+    job: LaunchError names it, with its traceback."""
+    if isinstance(target, str):
+        module, _, name = target.partition(":")
+        require(name, f"target must look like 'module:function', got {target!r}")
+        target = getattr(importlib.import_module(module), name)
+    require(
+        target.__module__ != "__main__" and target.__qualname__.isidentifier(),
+        f"child processes cannot import "
+        f"{target.__qualname__} (a notebook's, a script's or a local function): move it into "
+        "gcbs_lib",
+    )
+    handlers = {
+        s: signal.getsignal(s)
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    }
+    with tempfile.TemporaryDirectory(prefix="gcbs-launch-") as logs:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id="gcbs",
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            max_restarts=0,
+            log_line_prefix_template="[rank ${rank}] ",
+            logs_specs=DefaultLogsSpecs(logs, redirects=Std.ALL, tee=Std.ALL if echo else Std.NONE),
+        )
+        try:
+            return elastic_launch(config, _run_rank)(target, args or {}, backend, timeout)[0]
+        except ChildFailedError as error:
+            # {rank: ProcessFailure}; the first error file written names the cause
+            failures = error.failures
+            written = {
+                r: os.path.getmtime(f.error_file)
+                for r, f in failures.items()
+                if os.path.isfile(f.error_file)
+            }
+            rank = min(written, key=written.get) if written else min(failures)
+            # the error file's {..., "extraInfo": {"py_callstack"}}, or a signal
+            message = failures[rank].message
+            message = message["extraInfo"]["py_callstack"] if isinstance(message, dict) else message
+            raise LaunchError(
+                f"rank {rank} of {target.__qualname__} failed:\n{message}", rank
+            ) from None
+        finally:
+            if threading.current_thread() is threading.main_thread():  # the launcher replaced them
+                for number, handler in handlers.items():
+                    signal.signal(number, signal.SIG_DFL if handler is None else handler)
+
+
+def _run_rank(target: Callable, args: dict, backend: str, timeout: float | None):
+    """One rank of a `launch`: join the process group, call the target, leave the group together."""
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default: one thread per rank
+        torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    limit = timedelta(seconds=timeout) if timeout else dist.default_pg_timeout
+    dist.init_process_group(backend, timeout=limit)
+    # a rank that raises exits holding its group, so its error file is written first
+    result = target(**args)
+    # free DDP reducers (held in reference cycles) while their process group still exists
+    gc.collect()
+    dist.barrier()  # no rank tears down its group while another still talks to it
+    dist.destroy_process_group()
+    return result
