@@ -4,6 +4,7 @@ process, after a warm-up step. On Linux "vmhwm" (reset the kernel's peak-RSS cou
 every 0.2 ms: it can miss a shorter peak); "sampled_anonymous" samples it without the file-backed
 pages (a memory-mapped file read in is cache the kernel can drop, not held memory)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -66,21 +67,20 @@ def memory_rise(run, method: str) -> int:
     return max(peak, resident()) - before
 
 
-def fresh_process_bytes(arguments: list[str], what, timeout: float = 600) -> int:
-    """The last integer a fresh `python <arguments>` prints; a failed probe raises naming `what`."""
-    result = subprocess.run(
-        [sys.executable, *arguments], capture_output=True, text=True, timeout=timeout
-    )
+def fresh_process_bytes(step: str, setting: dict, timeout: float = 600) -> int:
+    """The memory rise of `STEPS[step](**setting)`, measured in a fresh Python process (`python -m
+    gcbs_lib.measure STEP JSON`) after a small warm-up step; a failed probe raises naming both."""
+    command = [sys.executable, "-m", "gcbs_lib.measure", step, json.dumps(setting)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if result.returncode:
-        raise RuntimeError(f"memory probe failed for {what}:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"memory probe failed for {step} {setting}:\n{result.stderr[-3000:]}")
     return int(result.stdout.split()[-1])
 
 
 def contrastive_step(method: str, batch_size: int, chunk_size: int = 16, device: str = "cpu"):
     """Notebook 01's step, as a function: InfoNCE over random query and document texts through a
     TinyTextEncoder (dim 64, 2 layers, 32 tokens), "plain" (one graph over the batch), "gradcache"
-    or "encode" (no-grad forwards). On CPU, `python -m gcbs_lib.measure METHOD BATCH_SIZE
-    CHUNK_SIZE` prints its memory rise in a fresh process."""
+    or "encode" (no-grad forwards)."""
     from gcbs_lib.gradcache import cached_loss
     from gcbs_lib.losses import info_nce
     from gcbs_lib.models import TinyTextEncoder, random_token_batch
@@ -106,7 +106,24 @@ def contrastive_step(method: str, batch_size: int, chunk_size: int = 16, device:
     return step
 
 
+def mil_nce_step(clips: int, bag_size: int, dim: int, chunk_size: int | None, device="cpu"):
+    """Notebook 07's step: MIL-NCE ("both") forward and backward over random clips and `bag_size`
+    captions each, its denominator streamed in blocks of `chunk_size` (None: all B×N scores)."""
+    from gcbs_lib.losses import mil_nce
+
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randn(clips, dim, generator=generator).to(device).requires_grad_()
+    text = torch.randn(clips * bag_size, dim, generator=generator).to(device).requires_grad_()
+    bags = torch.arange(clips * bag_size, device=device).view(clips, bag_size)
+    return lambda: mil_nce(video, text, bags, 0.07, "both", chunk_size).backward()
+
+
+STEPS = {"contrastive": contrastive_step, "mil_nce": mil_nce_step}
+# the warm-up step, so that lazily allocated state is not charged to the measured one
+WARM_UP = {"contrastive": {"batch_size": 2, "chunk_size": 2}, "mil_nce": {"clips": 4, "dim": 4}}
+
 if __name__ == "__main__":
-    step = contrastive_step(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
-    contrastive_step(sys.argv[1], 2, 2)()  # warm up lazily allocated state
-    print(memory_rise(step, memory_method("cpu")))
+    setting = json.loads(sys.argv[2])
+    STEPS[sys.argv[1]](**{**setting, **WARM_UP[sys.argv[1]]})()
+    step = STEPS[sys.argv[1]](**setting)
+    print(memory_rise(step, memory_method(setting.get("device", "cpu"))))

@@ -428,9 +428,8 @@ def step_memory(method, batch_size):
     """Bytes one step adds: the CUDA allocator's peak here; on CPU, the rise in a fresh `python -m gcbs_lib.measure`."""
     if device.startswith("cuda"):
         return memory_rise(contrastive_step(method, batch_size, memory_chunk_size, device), "cuda")
-    return fresh_process_bytes(
-        ["-m", "gcbs_lib.measure", method, str(batch_size), str(memory_chunk_size)], method
-    )
+    setting = {"method": method, "batch_size": batch_size, "chunk_size": memory_chunk_size}
+    return fresh_process_bytes("contrastive", setting)
 
 
 print("memory measured by:", memory_method(device))

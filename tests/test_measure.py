@@ -33,9 +33,8 @@ def test_a_memory_mapped_file_read_in_counts_in_the_resident_set_but_not_in_the_
 def probe(method, batch_size):
     """The memory rise of one `contrastive_step`, measured in a fresh process as notebook 01 does on
     CPU."""
-    return (
-        fresh_process_bytes(["-m", "gcbs_lib.measure", method, str(batch_size), "16"], method) / MiB
-    )
+    setting = {"method": method, "batch_size": batch_size, "chunk_size": 16}
+    return fresh_process_bytes("contrastive", setting) / MiB
 
 
 def test_plain_memory_grows_with_the_batch_and_gradcache_stays_small():
