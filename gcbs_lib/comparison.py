@@ -43,11 +43,9 @@ def run_arms(
                 "gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False, args=args
             )
         summaries[arm, seed] = summary
+        steps = f"{summary['steps']} steps, best dev at step {summary['best_step']}"
         test = ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items())
-        print(
-            f"{arm} seed {seed}: {summary['steps']} steps, best dev at step "
-            f"{summary['best_step']}, test {test}"
-        )
+        print(f"{arm} seed {seed}: {steps}, test {test}")
     return summaries
 
 
@@ -113,12 +111,9 @@ def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[s
         curves[arm] = [p.mean for p in points]
         x = [r["step"] for r in runs[0]] if records == "dev" else range(len(runs[0]))
         ax.plot(x, curves[arm], "o-", ms=3, label=arm)
-        ax.fill_between(
-            x,
-            [p.mean - (p.sd or 0) for p in points],
-            [p.mean + (p.sd or 0) for p in points],
-            alpha=0.2,
-        )
+        low = [p.mean - (p.sd or 0) for p in points]
+        high = [p.mean + (p.sd or 0) for p in points]
+        ax.fill_between(x, low, high, alpha=0.2)
     ax.set(xlabel="step" if records == "dev" else "epoch")
     ax.legend()
     return curves

@@ -143,16 +143,14 @@ def ddp_steps(runs: list[tuple[str, ScalingSetup]]) -> list[dict]:
         all_reduce_gradients(scale.parameters())
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        results.append(
-            {
-                "loss": mean_loss.item() / world_size,
-                "grads": flat_gradients(encoder, scale),
-                "allreduces": allreduces,
-                "rank_difference": rank_difference(
-                    [p.grad for p in (*encoder.parameters(), *scale.parameters())]
-                ),
-            }
-        )
+        grads = [p.grad for p in (*encoder.parameters(), *scale.parameters())]
+        result = {
+            "loss": mean_loss.item() / world_size,
+            "grads": flat_gradients(encoder, scale),
+            "allreduces": allreduces,
+            "rank_difference": rank_difference(grads),
+        }
+        results.append(result)
     return results
 
 

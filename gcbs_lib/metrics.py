@@ -139,9 +139,8 @@ def knn_accuracy(
     block_size = block_size or BLOCK_ELEMENTS // len(bank) or 1
     correct = 0
     for start in range(0, len(features), block_size):
-        top, index = (features[start : start + block_size] @ bank.T).sort(
-            dim=1, descending=True, stable=True
-        )
+        scores = features[start : start + block_size] @ bank.T
+        top, index = scores.sort(dim=1, descending=True, stable=True)
         votes = top.new_zeros(len(top), classes)
         votes.scatter_add_(1, bank_labels[index[:, :k]], (top[:, :k] / temperature).exp())
         correct += (votes.argmax(dim=1) == labels[start : start + block_size]).sum().item()

@@ -67,16 +67,12 @@ class TinyTextEncoder(nn.Module):
         ids = batch["input_ids"] if isinstance(batch, Mapping) else batch
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         mask = ids != PAD_ID if mask is None else mask.bool()
-        if (
-            ids.dim() != 2
-            or ids.shape[1] > self.positions.num_embeddings
-            or not mask.any(dim=1).all()
-        ):
-            raise ValueError(
-                f"expected token ids [batch, length ≤ {self.positions.num_embeddings}], each text "
-                "with "
-                f"a real token; got shape {tuple(ids.shape)}"
-            )
+        longest = self.positions.num_embeddings
+        require(
+            ids.dim() == 2 and ids.shape[1] <= longest and mask.any(dim=1).all(),
+            f"expected token ids [batch, length ≤ {longest}], each text with a real token; got "
+            f"shape {tuple(ids.shape)}",
+        )
         x = self.drop(self.tokens(ids) + self.positions.weight[: ids.shape[1]])
         for block in self.blocks:
             x = block(x, mask)
@@ -163,9 +159,8 @@ class HFEncoder(nn.Module):
         return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt"))
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        states = self.backbone(
-            **{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        ).last_hidden_state
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        states = self.backbone(**tensors).last_hidden_state
         if self.mlp is None:  # mean over real tokens
             mask = batch["attention_mask"][..., None].to(states.dtype)
             pooled = (states * mask).sum(1) / mask.sum(1)

@@ -40,15 +40,12 @@ class PrefixPromptedEncoder(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
     ):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        if mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask {tuple(mask.shape)} does not match input_ids "
-                f"{tuple(input_ids.shape)}"
-            )
+        require(
+            mask.shape == input_ids.shape,
+            f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}",
+        )
         mask = torch.cat([mask.new_ones(len(mask), self.prompt.shape[3]), mask], dim=1)
+        prompt = DynamicCache(self.prefix(len(input_ids)))
         return self.backbone(
-            input_ids=input_ids,
-            attention_mask=mask,
-            past_key_values=DynamicCache(self.prefix(len(input_ids))),
-            **kwargs,
+            input_ids=input_ids, attention_mask=mask, past_key_values=prompt, **kwargs
         )

@@ -95,21 +95,14 @@ def plan(
 def save_figures(executed: Path, folder: Path) -> None:
     """Write the executed notebook's PNGs into `folder`, named as the module docstring says."""
     for cell in nbformat.read(executed, as_version=4).cells:
-        images = [
-            o["data"]["image/png"]
-            for o in cell.get("outputs", [])
-            if "image/png" in o.get("data", {})
-        ]
-        names = [
-            t.removeprefix("figure:")
-            for t in cell.metadata.get("tags", [])
-            if t.startswith("figure:")
-        ]
+        outputs = [o.get("data", {}) for o in cell.get("outputs", [])]
+        images = [data["image/png"] for data in outputs if "image/png" in data]
+        tags = cell.metadata.get("tags", [])
+        names = [t.removeprefix("figure:") for t in tags if t.startswith("figure:")]
         stem = f"{executed.stem}_{names[0] if names else 'in' + str(cell.get('execution_count'))}"
         for k, image in enumerate(images, 1):
-            (folder / (f"{stem}_{k}.png" if len(images) > 1 else f"{stem}.png")).write_bytes(
-                base64.b64decode(image)
-            )
+            name = f"{stem}_{k}.png" if len(images) > 1 else f"{stem}.png"
+            (folder / name).write_bytes(base64.b64decode(image))
 
 
 def execute(notebook: Path, parameters: dict, out: Path, prepare_only: bool = False) -> dict:
@@ -122,14 +115,8 @@ def execute(notebook: Path, parameters: dict, out: Path, prepare_only: bool = Fa
     for cell in source.cells:  # without the committed outputs, also in a prepared copy
         cell.update({"outputs": [], "execution_count": None} if cell.cell_type == "code" else {})
     try:
-        papermill.execute_notebook(
-            source,
-            executed,
-            parameters=parameters,
-            kernel_name="python3",
-            cwd=notebook.parent,
-            prepare_only=prepare_only,
-        )
+        options = dict(kernel_name="python3", cwd=notebook.parent, prepare_only=prepare_only)
+        papermill.execute_notebook(source, executed, parameters=parameters, **options)
     except papermill.PapermillExecutionError as error:
         outcome.update(
             status="failed",
@@ -154,15 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     add = parser.add_argument
     add("--profile", choices=("ci", "cpu", "paper"), default="ci", help="default: ci")
     add("--only", nargs="+", metavar="NN", help="run only these notebooks (number or name)")
-    add(
-        "-p",
-        "--parameter",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("NAME", "VALUE"),
-        help="set a parameter in every notebook that has it",
-    )
+    pairs = dict(nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
+    add("-p", "--parameter", **pairs, help="set a parameter in every notebook that has it")
     add("--nproc", type=int, help="ranks for the notebooks that launch them (parameter nproc)")
     add("--backend", choices=("gloo", "nccl"), help="process-group backend (parameter backend)")
     add("--output-dir", type=Path, help="where to write (default: runs/<timestamp>/)")
@@ -178,9 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {
             name: (yaml.safe_load(text), text, f"-p {name}") for name, text in args.parameter
         }
-        overrides |= {
-            k: (v, v, f"--{k}") for k, v in (("nproc", args.nproc), ("backend", args.backend)) if v
-        }
+        flags = {"nproc": args.nproc, "backend": args.backend}
+        overrides |= {k: (v, v, f"--{k}") for k, v in flags.items() if v}
         notebooks = discover(NOTEBOOKS, args.only)
         plans = plan(notebooks, args.profile, overrides)
     except (ValueError, yaml.YAMLError) as error:  # a usage error: nothing was run
@@ -200,19 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         # seeds may differ
         if ran and {**entry["parameters"], "seeds": None} == {**parameters, "seeds": None}:
             kept[p.stem] = entry
-    # a folder used before: its figures go, and its rows
+    # a folder used before: its figures go, and its rows unless kept
     shutil.rmtree(out / "figures", ignore_errors=True)
-    # unless kept
     for stale in set(out.glob("results/*.json")) - {out / f"results/{s}.json" for s in kept}:
         stale.unlink()
     (out / "figures").mkdir(parents=True)
     run = {
         "command": f"{earlier['command']} && {command}" if kept else command,
         "commit": commit,
-        # kept: until each runs again
         "profile": args.profile,
         "cores": os.cpu_count(),
-        "notebooks": dict(kept),
+        "notebooks": dict(kept),  # kept: until each runs again
         # other work on the machine slows what notebooks time
         "load_average": round(os.getloadavg()[0], 1),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -223,10 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             spent_before = kept.get(notebook.stem, {}).get("seconds", 0)
             outcome["seconds"] = round(outcome["seconds"] + spent_before, 1)
             run["notebooks"][notebook.stem] = outcome
-            print(
-                f"{outcome['status']:>8}  {notebook.stem}  {outcome['seconds']:.0f} s  "
-                f"{outcome['error']}"
-            )
+            seconds = f"{outcome['seconds']:.0f} s"
+            print(f"{outcome['status']:>8}  {notebook.stem}  {seconds}  {outcome['error']}")
             write_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
             if args.fail_fast and outcome["status"] == "failed":
                 break
@@ -234,16 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     lines = build_table(rows, run["commit"])
     tables = [
         f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
-        # one table per experiment
-        for name in dict.fromkeys(line.experiment for line in lines)
+        for name in dict.fromkeys(line.experiment for line in lines)  # one table per experiment
     ]
     smoke = ""
     if args.profile == "ci":
         smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n"
-    write_atomic(
-        out / "results.md",
-        f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n" + "\n".join(tables),
-    )
+    heading = f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n"
+    write_atomic(out / "results.md", heading + "\n".join(tables))
     failed = [
         f"FAILED {name}: {n['error']}\n    see {out / name}.ipynb"
         for name, n in run["notebooks"].items()

@@ -192,25 +192,12 @@ def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
             values = arms.get(arm, {})
             differences = [values[s] - random[s] for s in sorted(set(values) & set(random))]
             paper, (low, high) = paper_delta(experiment, arm, metric), interval(differences)
+            names = (experiment, metric, arm, model, data, profile)
+            summaries = [summarize(list(seeds.values())) for seeds in (start, random, values)]
+            delta = statistics.fmean(differences) if differences else None
+            said = verdict(arm, metric, low, high, paper) if differences else ""
             lines.append(
-                TableLine(
-                    experiment,
-                    metric,
-                    arm,
-                    model,
-                    data,
-                    profile,
-                    summarize(list(start.values())),
-                    summarize(list(random.values())),
-                    summarize(list(values.values())),
-                    statistics.fmean(differences) if differences else None,
-                    low,
-                    high,
-                    paper,
-                    verdict(arm, metric, low, high, paper) if differences else "",
-                    commit,
-                    differences,
-                )
+                TableLine(*names, *summaries, delta, low, high, paper, said, commit, differences)
             )
     return lines
 
@@ -246,27 +233,13 @@ def to_markdown(lines: list[TableLine]) -> str:
         paper = ""
         if line.paper:
             paper = f"{deltas_text(line.paper.deltas) or 'none reported'} ({line.paper.source})"
-        delta = ""
-        if line.delta is not None:
-            delta = number(line.delta, scale, signed=True)
+        delta = "" if line.delta is None else number(line.delta, scale, signed=True)
         if line.low is not None:
-            delta += f" [{number(line.low, scale, signed=True)}, "
-            delta += f"{number(line.high, scale, signed=True)}]"
-        cells = (
-            line.experiment,
-            line.metric,
-            summary(line.start),
-            summary(line.random),
-            line.arm,
-            summary(line.kit),
-            delta,
-            paper,
-            line.verdict,
-            line.data,
-            line.model,
-            line.profile,
-            line.commit,
-        )
+            low, high = (number(x, scale, signed=True) for x in (line.low, line.high))
+            delta += f" [{low}, {high}]"
+        summaries = [summary(s) for s in (line.start, line.random)]
+        cells = (line.experiment, line.metric, *summaries, line.arm, summary(line.kit), delta)
+        cells += (paper, line.verdict, line.data, line.model, line.profile, line.commit)
         out.append("| " + " | ".join((c or "—").replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -306,9 +279,8 @@ def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool
     times = []
     for f in sorted(Path(folder).glob("*.cpu.json")):
         how = made.get(f.name, {})
-        lines += build_table(
-            [r for r in read_rows(f) if not r["metric"].startswith("dev_")], how.get("commit", "")
-        )
+        rows = [r for r in read_rows(f) if not r["metric"].startswith("dev_")]
+        lines += build_table(rows, how.get("commit", ""))
         if how.get("seconds"):
             times.append(
                 f"{f.name.partition('.')[0]} {how['seconds'] / 60:.0f} min on {how['cores']} cores"

@@ -32,11 +32,8 @@ def data_root(
 
 def run_data_script(script: str, *args) -> None:
     """Run `data_scripts/<script> args...` in a fresh Python; a failure raises with its output."""
-    done = subprocess.run(
-        [sys.executable, str(REPOSITORY / "data_scripts" / script), *map(str, args)],
-        capture_output=True,
-        text=True,
-    )
+    command = [sys.executable, str(REPOSITORY / "data_scripts" / script), *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(
             f"data_scripts/{script} failed (exit {done.returncode}):\n"
@@ -80,9 +77,8 @@ def build_once(folder: str | Path, spec: dict, write: Callable[[Path], dict]) ->
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         os.chmod(staging, 0o755)
-        (staging / "manifest.json").write_text(
-            json.dumps({**spec, **write(staging)}, indent=1) + "\n"
-        )
+        manifest = {**spec, **write(staging)}
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
         if not built(folder, spec):
             shutil.rmtree(folder, ignore_errors=True)
             os.rename(staging, folder)
@@ -104,15 +100,10 @@ class PlainUnpickler(pickle.Unpickler):
     """Unpickles plain containers, numbers, strings and numpy arrays only (else unpickling runs
     the code a file names); the kit's pickles (HowTo100M captions, CIFAR-10) hold nothing else."""
 
-    ALLOWED = {
-        ("builtins", t.__name__)
-        for t in (dict, list, tuple, set, frozenset, str, bytes, int, float, complex, bool)
-    }
-    ALLOWED |= {
-        (m, n)
-        for m in ("numpy.core.multiarray", "numpy._core.multiarray")
-        for n in ("_reconstruct", "scalar")
-    }
+    PLAIN = (dict, list, tuple, set, frozenset, str, bytes, int, float, complex, bool)
+    NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
+    ALLOWED = {("builtins", t.__name__) for t in PLAIN}
+    ALLOWED |= {(m, n) for m in NUMPY for n in ("_reconstruct", "scalar")}
     # _codecs: Python 3 bytes, protocol 2
     ALLOWED |= {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 

@@ -21,12 +21,9 @@ from gcbs_lib.data import read_json
 
 
 def load(path: str | Path) -> list[dict]:
-    """Read any code-search file UniXcoder's run.py reads into `{"query", "code", "key"}` dicts.
-
-    `.jsonl`: one object per line, code from `function_tokens` if present, else `code_tokens`.
-    Otherwise one JSON document: a list (CosQA) or an object {code: retrieval_idx}
-    (code_idx_map.txt, query ""). Tokens are joined by one space; the key is `url` if present, else
-    `retrieval_idx`, as a string. Errors name the file and the line or row."""
+    """Read any code-search file UniXcoder's run.py reads into `{"query", "code", "key"}` dicts:
+    `.jsonl` (an object per line), else one JSON list (CosQA) or object {code: retrieval_idx}
+    (code_idx_map.txt, query ""); errors name the file and the line or row."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -41,10 +38,8 @@ def load(path: str | Path) -> list[dict]:
     else:
         document = read_json(path, text, "; JSON-lines files are named *.jsonl")
         if isinstance(document, dict):  # code_idx_map
-            require(
-                all(type(idx) is int for idx in document.values()),
-                f"{path}: a code map holds integer retrieval_idx",
-            )
+            integers = all(type(idx) is int for idx in document.values())
+            require(integers, f"{path}: a code map holds integer retrieval_idx")
             examples = [
                 {"query": "", "code": _joined(c), "key": str(i)} for c, i in document.items()
             ]
@@ -98,10 +93,7 @@ def retrieval_task(query_file: str | Path, pool_file: str | Path | None = None) 
         first.setdefault(example["key"], row)
     index = {key: i for i, key in enumerate(first)}
     positive = torch.tensor([index.get(e["key"], -1) for e in queries], dtype=torch.long)
-    return RetrievalTask(
-        [e["query"] for e in queries],
-        [pool[r]["code"] for r in first.values()],
-        positive,
-        int((positive < 0).sum()),
-        len(pool) - len(first),
-    )
+    texts = [e["query"] for e in queries]
+    codes = [pool[r]["code"] for r in first.values()]
+    missing = int((positive < 0).sum())
+    return RetrievalTask(texts, codes, positive, missing, len(pool) - len(first))

@@ -113,15 +113,11 @@ class FeatureStore:
         try:
             streams = self.open(video_id)
             for stream, rows in streams.items():
-                if (
-                    rows.ndim != 2
-                    or not len(rows)
-                    or rows.shape[1] != self.widths.setdefault(stream, rows.shape[1])
-                ):
-                    raise ValueError(
-                        f"{stream} has shape {rows.shape}, not [T > 0, "
-                        f"{self.widths.get(stream, 'W')}]"
-                    )
+                if rows.ndim == 2 and len(rows):  # the first video's width: every video's
+                    self.widths.setdefault(stream, rows.shape[1])
+                width = self.widths.get(stream, "W")
+                shaped = rows.ndim == 2 and len(rows) and rows.shape[1] == width
+                require(shaped, f"{stream} has shape {rows.shape}, not [T > 0, {width}]")
                 require(np.isfinite(rows).all(), f"{stream} holds NaN or inf")
         except (OSError, ValueError, EOFError) as error:
             self.skipped[video_id] = f"{type(error).__name__}: {error}"
@@ -226,9 +222,8 @@ def build_bags(
             exclude = [offset + j for j in np.flatnonzero((start < e) & (end > s)) if j not in bag]
             if has_rows:
                 clips.append((v, (s, e), offset + a, [offset + j for j in bag], exclude))
-    require(
-        clips, f"no usable clips among the videos; skipped: {dict(list(store.skipped.items())[:5])}"
-    )
+    skipped = dict(list(store.skipped.items())[:5])
+    require(clips, f"no usable clips among the videos; skipped: {skipped}")
     video, window, anchor, bag, exclude = zip(*clips)
     return {
         "video_ids": np.array(ids),

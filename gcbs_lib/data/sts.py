@@ -110,9 +110,8 @@ def _split_file(path: Path, task: str) -> list[tuple[str, str, str, str]]:
 
 def read_sentences(path: str | Path) -> list[str]:
     """SimCSE's training file (wiki1m_for_simcse.txt): a sentence per line, blank lines skipped."""
-    sentences = [
-        line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()
-    ]
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    sentences = [line.strip() for line in lines if line.strip()]
     require(sentences, f"{path}: no sentences")
     return sentences
 
@@ -126,8 +125,6 @@ def standin_file(name: str, root: str | Path) -> Path:
 def load_standin(name: str, root: str | Path) -> tuple[list[str], list[str], list[float]]:
     """(texts1, texts2, human scores) of stand-in evaluation set `name` (NOT STS; STANDIN_SETS)."""
     require(name in STANDIN_SETS, f"stand-in evaluation sets are {STANDIN_SETS}, got {name!r}")
-    rows = [
-        line.split("\t")
-        for line in standin_file(f"{name}.tsv", root).read_text("utf-8").splitlines()
-    ]
+    text = standin_file(f"{name}.tsv", root).read_text("utf-8")
+    rows = [line.split("\t") for line in text.splitlines()]
     return [r[0] for r in rows], [r[1] for r in rows], [float(r[2]) for r in rows]
