@@ -22,7 +22,15 @@ from gcbs_lib.results import (
 )
 
 
-def row(arm, seed, value, metric="test_mrr", experiment="codesearch", profile="cpu"):
+def row(
+    arm,
+    seed,
+    value,
+    metric="test_mrr",
+    experiment="codesearch",
+    profile="cpu",
+    data="stdlib-docstrings",
+):
     return result_row(
         experiment=experiment,
         arm=arm,
@@ -30,7 +38,7 @@ def row(arm, seed, value, metric="test_mrr", experiment="codesearch", profile="c
         metric=metric,
         value=value,
         profile=profile,
-        data="stdlib-docstrings",
+        data=data,
         model="all-MiniLM-L6-v2",
     )
 
@@ -161,6 +169,21 @@ def test_the_paper_headline_is_attached_to_the_matching_arm_and_metric_only():
     assert paper["test_mrr"].deltas == (0.010, 0.020, 0.022) and paper["loss_gap"] is None
     moco = build_table([row("gcbs", 0, 0.6, experiment="moco", metric="test_knn_accuracy")])[0]
     assert "| none reported (no MoCo number in the paper" in to_markdown([moco])
+
+
+@pytest.mark.parametrize(
+    "data, deltas",
+    [
+        ("stdlib-docstrings-advtest", (0.020,)),  # a stand-in in AdvTest's layout
+        ("advtest", (0.020,)),
+        ("cosqa", (0.010,)),
+        ("stdlib-docstrings-csn", (0.022,)),
+        ("stdlib-docstrings", (0.010, 0.020, 0.022)),  # no dataset named: all three
+    ],
+)
+def test_the_paper_delta_is_that_of_the_dataset_the_data_is_or_copies(data, deltas):
+    line = build_table([row("random", 0, 0.5, data=data), row("gcbs", 0, 0.6, data=data)])[0]
+    assert line.paper.deltas == deltas
 
 
 def test_markdown_shows_start_random_arm_delta_interval_paper_and_verdict():
