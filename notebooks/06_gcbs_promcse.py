@@ -29,7 +29,7 @@
 # gensim-wheel stand-in, **NOT STS**. `ci` (the defaults) trains the prompt of a tiny random BERT for seconds: a
 # smoke test, and these numbers mean nothing about GCBS. `cpu` (≈40 min on 2 cores) freezes notebook 05's small
 # BERT pretrained as a masked LM on the stand-in's sentences (PromCSE, like SimCSE, starts from a masked LM) and
-# trains its prompt for one epoch over all 17,009 of them at batch 64, on five paired seeds (section 4: the pilot).
+# trains its prompt for one epoch over all 17,009 of them at batch 64, on five paired seeds (section 4: the seed count).
 
 # %% tags=["parameters"]
 device = "cpu"
@@ -44,7 +44,6 @@ output_dir = (
 
 # %%
 import inspect
-import statistics
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -53,8 +52,8 @@ import torch
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arms_table,
+    committed_plan,
     first_gap_no_larger,
-    pilot_plan,
     plot_deltas,
     plot_over_seeds,
     rows_of,
@@ -63,7 +62,7 @@ from gcbs_lib.comparison import (
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.prefix import PrefixPromptedEncoder
-from gcbs_lib.results import COMMITTED, build_table, paper_delta, provenance, read_rows, record
+from gcbs_lib.results import paper_delta, record
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("promcse", "gcbs", "test_spearman")  # +0.27 STS points
@@ -148,41 +147,17 @@ gradcache_checks = [compare(name, chunked[name], full[name]) for name in full]
 print(cmp_table(gradcache_checks))
 
 # %% [markdown]
-# ## 4 · How many seeds: the pilot
+# ## 4 · How many seeds
 #
-# As in notebook 05, the 95 % half-width of the paired Δ over $n$ seeds is $t_{0.975,\,n-1}\, s_\Delta/\sqrt n$. A
-# pilot ran seed 0 of this profile's settings, both arms (commit 9c73df4, 375 s on 2 cores): 265 steps; dev
-# Spearman −0.057 at the start, the random arm's best −0.025 (step 25), GCBS's −0.016 (step 200); test 0.027
-# (random) and 0.032 (GCBS). One seed gives no $s_\Delta$, so the profile took the issue's minimum, five seeds
-# (≈ 33 min). The committed five-seed run (README table, commit 8ee3bea, 2,108 s on 2 idle cores) measured it:
-#
-# | test Spearman | start | random | GCBS | Δ [95 % CI] |
-# |---|---|---|---|---|
-# | STS stand-in average | 0.0200 ± 0.0001 | 0.0267 ± 0.0005 | 0.0313 ± 0.0006 | +0.0046 [+0.0043, +0.0049] |
-#
-# Training moved the model by +0.0067, 15 times the sd over seeds, and GCBS is better on every seed (Lee +0.010,
-# WordSim353 +0.006, both resolved; SimLex-999 −0.002, not resolved). Read it for what it is: a frozen masked LM
-# whose prompt moves the scores of a stand-in near chance (0.02 → 0.03), where seeds differ only in the prompt's
-# initialisation, the batch order and dropout, so the spread is tiny and a small Δ resolves. The random arm's
-# best dev comes at step 25 on every seed and falls after; GCBS's keeps rising to steps 100–250. It says nothing
-# yet about STS (the `paper` profile). With that run's $s_\Delta$ and time, read from its committed rows:
+# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0.
+# Over $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
+# the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
+# `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
+# measured is in the README's table.
 
 # %%
-committed = build_table(
-    read_rows(COMMITTED / "06_gcbs_promcse.cpu.json")
-)  # the README's lines of the run
-paired = next(
-    line for line in committed if line.metric == "test_spearman"
-).differences  # its Δ, seed by seed
-made = provenance()[
-    "06_gcbs_promcse.cpu.json"
-]  # how the run was made: command, commit, seconds, cores
-PILOT_SD, PILOT_SECONDS = statistics.stdev(paired), made["seconds"] / len(paired)
-print(
-    f"s_Δ = {PILOT_SD:.5f} over {len(paired)} seeds, {PILOT_SECONDS:.0f} s a seed; the paper's Δ "
-    f"{PAPER.deltas[0]:+.4f}"
-)
-half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
+half_width = committed_plan("06_gcbs_promcse", "promcse", "test_spearman")
+print(f"the paper's Δ: {PAPER.deltas[0]:+.4f}")
 
 # %% [markdown]
 # ## 5 · Random vs GCBS batches

@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arms_table,
-    pilot_plan,
+    committed_plan,
     plot_deltas,
     plot_over_seeds,
     rows_of,
@@ -508,23 +508,14 @@ for (s, k, _seed), metrics in sweep.items():
 # untrained model scored too (`start`); Δ = mean over seeds of (GCBS − random) test R@10, with the 95 %
 # t-interval of the paired differences: *GCBS better* above 0, *GCBS worse* below, else *not resolved*.
 #
-# **How many seeds.** A pilot of the `cpu` profile on five seeds (commit c5e97d0, 679 s for the whole notebook
-# on 2 cores, about 85 s per seed for the sweep's six planted runs and both arms) moved test R@10 from 0.011
-# untrained to 0.095 (random) and gave Δ = −0.008 [−0.020, +0.004], *not resolved*, with an sd of the paired
-# Δ of 0.0099. The half-width of the interval against the number of seeds:
+# **How many seeds.** A verdict needs the 95 % interval of
+# $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0. Over $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
+# the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
+# `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
+# measured is in the README's table.
 
 # %%
-PILOT_SD, PILOT_SECONDS = (
-    0.0099,
-    85,
-)  # the pilot: sd of the five paired Δ of test R@10, seconds per seed
-half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
-
-# %% [markdown]
-# The `cpu` profile runs sixteen seeds, past the table: ±t(0.975, 15)·0.0099/√16 = ±0.0053, under the pilot's
-# |Δ|, for about 23 minutes beyond the cells every run has. Its committed run (README table, commit 3ec3990,
-# 25 min on 2 cores): test R@10 start 0.011, random 0.0954 ± 0.0079, GCBS 0.0859 ± 0.008,
-# Δ −0.0094 [−0.0148, −0.0041], *GCBS worse*; R@1, R@5 and the median rank say the same.
+half_width = committed_plan("07_milnce_howto100m", "milnce", "test_r10")
 
 # %%
 summaries = run_arms("milnce", profile, ["random", "gcbs"], seeds, work / "arms", training)

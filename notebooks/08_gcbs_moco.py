@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arms_table,
-    pilot_plan,
+    committed_plan,
     plot_deltas,
     plot_over_seeds,
     rows_of,
@@ -207,29 +207,16 @@ fig.suptitle("rows: training images, their view 1, their view 2")
 plt.show()
 
 # %% [markdown]
-# ## 6 · How many seeds: the pilot
+# ## 6 · How many seeds
 #
-# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0. Over
-# $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of the paired
-# differences. A pilot of the `cpu` settings (seeds 0 and 1, both arms, on 2 cores that also ran another pilot)
-# measured $s_\Delta$ and the time of one seed; it chose `seeds` of the `cpu` profile. Before it, one run of the
-# earlier settings (3,072 images, 6 epochs) moved test kNN accuracy from 0.457 untrained to 0.560. The pilot
-# (commit 5d36b07 + this profile, 1,202 s for the two seeds):
-#
-# | test kNN accuracy | seed 0 | seed 1 |
-# |---|---|---|
-# | start (untrained) | 0.507 | 0.507 |
-# | random | 0.590 | 0.633 |
-# | GCBS | 0.552 | 0.542 |
-# | Δ | −0.038 | −0.091 |
-#
-# Training moves the model (+0.10 over the start, against an sd of 0.03 between seeds). With $s_\Delta$ = 0.037,
-# eight seeds give Δ ± 0.031, which resolves a Δ as large as the pilot's; 8 seeds × 10 min (shared cores) fit
-# the 90 minutes.
+# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0.
+# Over $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
+# the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
+# `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
+# measured is in the README's table.
 
 # %%
-PILOT_SD, PILOT_SECONDS = 0.0375, 1202 / 2  # the pilot: sd of the two paired Δ, seconds per seed
-half_width = pilot_plan(sd_paired_delta=PILOT_SD, seconds_per_seed=PILOT_SECONDS)
+half_width = committed_plan("08_gcbs_moco", "moco", "test_knn_accuracy")
 
 # %% [markdown]
 # ## 7 · Random vs GCBS batches
