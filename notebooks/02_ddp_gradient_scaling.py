@@ -65,7 +65,7 @@ from gcbs_lib.ddp_scaling import (
     flat_gradients,
     global_batch,
 )
-from gcbs_lib.distributed import VirtualRanks, gather_with_grad
+from gcbs_lib.distributed import VirtualRanks, gather_with_grad, rank_and_world_size
 from gcbs_lib.gradcache import encode_in_chunks
 from gcbs_lib.launcher import launch
 from gcbs_lib.losses import info_nce, rank_info_nce
@@ -394,8 +394,10 @@ plt.show()
 # processes) and returns rank 0's result. On every rank `ddp_step` wraps the encoder in `DistributedDataParallel`,
 # counts its gradient all-reduces with a communication hook, runs GradCache (`cached_loss`) with the convention's
 # gather and loss, and averages the logit scale with `all_reduce_gradients`; `ddp_steps` runs them all in one job.
+# Each rank learns its place from `rank_and_world_size()`; this notebook's own process is in no group:
 
 # %%
+print("this process: (rank, world size) =", rank_and_world_size())
 runs = [(name, setup) for name in CONVENTIONS]
 real = dict(zip(CONVENTIONS, launch(ddp_steps, nproc=nproc, backend=backend, args={"runs": runs})))
 ratio_table(real)

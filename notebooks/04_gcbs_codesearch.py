@@ -80,7 +80,7 @@ from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import consecutive_batches, published_permutation
 from gcbs_lib.mining import mine_hard_negatives
 from gcbs_lib.results import record
-from gcbs_lib.seeding import generator
+from gcbs_lib.seeding import fixed_subset, generator
 from gcbs_lib.train import Trainer
 
 # %%
@@ -194,6 +194,22 @@ for name in ordered:
         f"{mixed[name]} of {len(ordered[name])} batches hold two pairs of one duplicate group"
     )
 groups_apart = mixed["gcbs"] == mixed["random"] == 0
+
+# %% [markdown]
+# The arms draw different batches but are scored on the same items: a limit on the dev or test pairs
+# (`eval_limit`) keeps `seeding.fixed_subset`, one random subset whose stream names no run seed, so
+# every arm and seed of a comparison sees it:
+
+# %%
+same_items = fixed_subset(train_set.size, 8, "test-subset") == fixed_subset(
+    train_set.size, 8, "test-subset"
+)
+print(
+    "a limit of 8 keeps items",
+    fixed_subset(train_set.size, 8, "test-subset"),
+    "| every run:",
+    same_items,
+)
 
 # %% [markdown]
 # ## 3 · How many seeds
