@@ -36,6 +36,7 @@ from gcbs_lib.results import (
     build_table,
     current_commit,
     read_rows,
+    to_csv,
     to_markdown,
 )
 
@@ -216,13 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n"
     heading = f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n"
     write_atomic(out / "results.md", heading + "\n".join(tables))
+    write_atomic(out / "results.csv", to_csv(lines))
     failed = [
         f"FAILED {name}: {n['error']}\n    see {out / name}.ipynb"
         for name, n in run["notebooks"].items()
         if n["status"] == "failed"
     ]
     print(
-        "\n".join([f"results.md and figures/ in {out}/", *failed]),
+        "\n".join([f"results.md, results.csv and figures/ in {out}/", *failed]),
         file=sys.stderr if failed else None,
     )
     return 1 if failed else 0

@@ -3,6 +3,8 @@ table: `python -m gcbs_lib.results collect runs/<stamp>` copies a run's rows int
 their provenance; `python -m gcbs_lib.results readme` regenerates the README's cpu table."""
 
 import argparse
+import csv
+import io
 import json
 import math
 import os
@@ -251,6 +253,29 @@ def to_markdown(lines: list[TableLine]) -> str:
         cells += (paper, line.verdict, line.data, line.model, line.profile, line.commit)
         out.append("| " + " | ".join((c or "—").replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"
+
+
+def to_csv(lines: list[TableLine]) -> str:
+    """The table as CSV, numbers unrounded: one row per line, the mean, sd and n of start, random
+    and the arm, then Δ, its interval, the paper's Δ and the verdict."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    summaries = [f"{who}_{part}" for who in ("start", "random", "arm") for part in Summary._fields]
+    names = ["experiment", "metric", "arm", "model", "data", "profile"]
+    writer.writerow(
+        names + summaries + ["delta", "low", "high", "paper_delta", "verdict", "commit"]
+    )
+    for line in lines:
+        stats = [
+            s and getattr(s, part)
+            for s in (line.start, line.random, line.kit)
+            for part in "mean sd n".split()
+        ]
+        paper = deltas_text(line.paper.deltas) if line.paper else ""
+        writer.writerow(
+            [*line[:6], *stats, line.delta, line.low, line.high, paper, line.verdict, line.commit]
+        )
+    return out.getvalue()
 
 
 def provenance(folder: str | Path = COMMITTED) -> dict:

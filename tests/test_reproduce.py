@@ -2,6 +2,7 @@
 collected."""
 
 import ast
+import csv
 import json
 import os
 import re
@@ -228,6 +229,16 @@ def test_a_failing_notebook_exits_non_zero_naming_its_cell_and_the_others_still_
         "| none | ci |"
     ) in table
     toy, other = table.split("## toy\n")[1].split("## other\n")  # one table per experiment
+    # the same table as CSV, numbers unrounded
+    (toy_row,) = [
+        r for r in csv.DictReader(open(tmp_path / "results.csv")) if r["experiment"] == "toy"
+    ]
+    assert (toy_row["arm"], toy_row["random_mean"], toy_row["arm_mean"]) == ("gcbs", "3.5", "4.5")
+    assert (float(toy_row["delta"]), toy_row["arm_n"], toy_row["verdict"]) == (
+        1.0,
+        "2",
+        "GCBS better",
+    )
     assert (
         "| toy |" in toy
         and "| other |" not in toy
