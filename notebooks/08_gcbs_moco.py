@@ -186,8 +186,9 @@ print(
 # %% [markdown]
 # ## 5 · Two views per image, seeded like dropout
 #
-# Random resized crops (area 0.2–1, aspect 3/4–4/3) and flips, one affine grid per image (`RandomViews`; MoCo
-# v2's colour jitter is left out). The trainer reseeds torch's generator every step, so the views of a run are a
+# Random resized crops (area 0.2–1, aspect 3/4–4/3) and flips, one affine grid per image (`RandomViews`);
+# on colour images also MoCo v2's colour jitter (brightness, contrast, saturation 0.4, hue 0.1, in random
+# order, with p 0.8) and grayscale (p 0.2), in plain torch; grey stand-ins have no colour to jitter. The trainer reseeds torch's generator every step, so the views of a run are a
 # function of its seed and step: the same stream seed gives the same views.
 
 # %% tags=["figure:augmented-views"]
@@ -199,7 +200,10 @@ views_replay = torch.equal(views(x), first)
 fig, axes = plt.subplots(3, 6, figsize=(7, 3.6))
 for column in range(6):
     for row, picture in enumerate(
-        (x[column].float() / 255, first[column] * 0.5 + 0.5, second[column] * 0.5 + 0.5)
+        (
+            x[column].float() / 255,
+            *(v[column] * views.std[0] + views.mean[0] for v in (first, second)),
+        )
     ):
         axes[row, column].imshow(picture.permute(1, 2, 0).clamp(0, 1).squeeze(-1), cmap="gray")
         axes[row, column].axis("off")

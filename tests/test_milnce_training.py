@@ -1,11 +1,11 @@
-"""Specification of the `milnce` experiment: DDP gives the full-batch gradient; bags help on
-misaligned data."""
+"""Specification of the `milnce` experiment: DDP gives the full-batch gradient, on the device of the
+process group's backend; bags help on misaligned data."""
 
 import pytest
 import torch
 
 from gcbs_lib.check import relative_error
-from gcbs_lib.experiments.milnce import MilNce, gradient_check
+from gcbs_lib.experiments.milnce import MilNce, device_for, gradient_check
 from gcbs_lib.launcher import launch
 from gcbs_lib.seeding import generator
 from gcbs_lib.train import load_config, train
@@ -24,7 +24,7 @@ TINY = {
 
 def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
     options = {**TINY, "data_dir": str(tmp_path)}
-    single = gradient_check(options, batch_size=16)
+    single = gradient_check(options, batch_size=16, device="cpu")
     experiment = MilNce(MilNce.Options(**options), seed=0, device="cpu")
     experiment.load_data()
     order = torch.randperm(
@@ -43,6 +43,14 @@ def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
     assert ddp["rank_difference"] == 0.0
     assert ddp["loss"] == pytest.approx(single["loss"], rel=1e-13)
     assert relative_error(torch.tensor(ddp["grad"]), torch.tensor(single["grad"])) < 1e-12
+
+
+def test_the_gradient_check_runs_where_the_backend_computes(monkeypatch):
+    """NCCL ranks compute on their GPU (cuda:LOCAL_RANK), gloo ranks and a single process on the
+    CPU."""
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device_for("nccl") == torch.device("cuda:3")
+    assert device_for("gloo") == device_for() == torch.device("cpu")  # no process group here
 
 
 def planted_r10(tmp_path, sigma, bag_size):

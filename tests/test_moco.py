@@ -4,6 +4,7 @@ views are seeded and reproducible, split BatchNorm and the shuffled key batch ke
 key apart, a few steps lower the loss, both arms train through gcbs_lib.train and a crashed run
 resumes its queue bitwise. Runs on planted images written as Fashion-MNIST IDX files."""
 
+import colorsys
 import copy
 
 import numpy as np
@@ -11,8 +12,8 @@ import pytest
 import torch
 from test_data_images import write_idx
 
-from gcbs_lib.experiments import get
-from gcbs_lib.experiments.moco import MoCo, MoCoModel, RandomViews, SplitBatchNorm2d
+from gcbs_lib.experiments import get, moco
+from gcbs_lib.experiments.moco import MoCo, MoCoModel, RandomViews, SplitBatchNorm2d, colour, hue
 from gcbs_lib.seeding import stream_seed
 from gcbs_lib.train import load_checkpoint, load_config, train
 
@@ -60,8 +61,12 @@ def experiment_and_model(image_root, **overrides):
     return experiment, experiment.build_model(), config
 
 
+def small(dim: int, queue_size: int) -> MoCo.Options:
+    return MoCo.Options(width=4, stages=1, blocks=1, dim=dim, queue_size=queue_size)
+
+
 def test_the_queue_is_a_ring_buffer_of_the_latest_keys():
-    model = MoCoModel(1, 4, 1, 1, dim=2, queue_size=6, views=RandomViews(1))
+    model = MoCoModel(1, small(2, 6), RandomViews(1))
     for start in (0, 2, 4, 6):
         model.enqueue(torch.full((2, 2), float(start)))
     assert model.queue[:, 0].tolist() == [6, 6, 2, 2, 4, 4] and int(model.queue_ptr) == 2
@@ -71,7 +76,7 @@ def test_the_queue_is_a_ring_buffer_of_the_latest_keys():
 
 
 def test_the_momentum_update_is_the_exact_moving_average(float64_default):
-    model = MoCoModel(1, 4, 1, 1, dim=4, queue_size=8, views=RandomViews(1))
+    model = MoCoModel(1, small(4, 8), RandomViews(1))
     for p in model.query.parameters():
         p.data.add_(torch.randn_like(p))
     before = [k.clone() for k in model.key.parameters()]
@@ -122,6 +127,121 @@ def test_a_full_crop_is_the_image_and_a_flipped_full_crop_its_mirror():
     torch.testing.assert_close(views(x, full), views(x), atol=1e-5, rtol=0)
     full[:, 0, 0] = -1
     torch.testing.assert_close(views(x, full), views(x).flip(-1), atol=1e-5, rtol=0)
+
+
+def test_one_channel_views_are_the_crops_and_flips_of_before_bitwise():
+    """Grayscale images draw no colour: the views and the generator's stream are those of the
+    crops-and-flips layer before colour jitter came (golden values of that commit)."""
+    x = torch.arange(2 * 28 * 28).remainder(251).to(torch.uint8).view(2, 1, 28, 28)
+    views = RandomViews(1).double().train()
+    torch.manual_seed(0)
+    out = views(x)
+    assert out.sum().item() == pytest.approx(-20.671931540749245, rel=1e-13)
+    assert out.abs().sum().item() == pytest.approx(726.117258076622, rel=1e-13)
+    stream = torch.Generator().manual_seed(1)
+    params = views.sample(2, stream)
+    expected = [
+        [-0.53024554719470984, 0.0, 0.19576103889643742],
+        [0.0, 0.5423055119378003, 0.0730263056114760],
+    ]
+    torch.testing.assert_close(params[1], torch.tensor(expected, dtype=torch.float64))
+    assert params.shape == (2, 2, 3)
+    assert torch.rand(1, generator=stream).item() == 0.31379687786102295  # five draws an image
+
+
+def flat_colours(n: int) -> torch.Tensor:
+    """n 8×8 RGB images of one random colour each: crops leave them as they are."""
+    rgb = torch.randint(0, 256, (n, 3, 1, 1), generator=torch.Generator().manual_seed(0))
+    return rgb.to(torch.uint8).expand(-1, -1, 8, 8)
+
+
+def test_rgb_views_jitter_colour_and_grayscale_from_the_views_stream():
+    """RGB views also draw MoCo v2's colour jitter (p 0.8) and grayscale (p 0.2), after the crops,
+    from the same generator: the colours change between draws, stay in [0, 1] and replay from the
+    seed; a grayscale view has equal channels."""
+    views, x = RandomViews(3).double().train(), flat_colours(64)
+    colours = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        colours.append((views(x) * views.std + views.mean).mean((2, 3)))
+    assert torch.equal(colours[0], colours[1])
+    assert ((colours[0] - colours[2]).abs().amax(1) > 0.02).float().mean() > 0.5
+    assert colours[0].min() > -1e-12 and colours[0].max() < 1 + 1e-12
+    params = views.sample(64, torch.Generator().manual_seed(3))
+    grayscale = params[:, 2:].flatten(1)[:, 4] == 1
+    assert params.shape == (64, 5, 3) and 0 < grayscale.sum() < 32
+    images = views.eval()(x, params) * views.std + views.mean
+    torch.testing.assert_close(images[grayscale], images[grayscale][:, :1].expand(-1, 3, -1, -1))
+
+
+def test_rgb_views_draw_moco_v2s_colour_ranges_and_probabilities():
+    """Jitter factors in [0.6, 1.4] (brightness, contrast, saturation), hue shifts in [-0.1, 0.1],
+    with probability 0.8 (else 1, 1, 1, 0); grayscale with probability 0.2."""
+    draw = RandomViews(3).sample(20000, torch.Generator().manual_seed(0))[:, 2:].flatten(1)
+    factors, shift, grayscale = draw[:, :3], draw[:, 3], draw[:, 4]
+    kept = (factors == 1).all(1) & (shift == 0)
+    assert kept.float().mean().item() == pytest.approx(0.2, abs=0.01)
+    assert factors.min() >= 0.6 and factors.max() <= 1.4 and shift.abs().max() <= 0.1
+    assert factors[~kept].std(0).min() > 0.22  # uniform on [0.6, 1.4]: 0.23
+    assert set(grayscale.tolist()) == {0.0, 1.0}
+    assert grayscale.mean().item() == pytest.approx(0.2, abs=0.01)
+
+
+def hue_by_colorsys(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """torchvision's adjust_hue (h ← h + shift through HSV) pixel by pixel, by the standard
+    library."""
+    pixels = x.permute(0, 2, 3, 1)
+    out = [
+        [colorsys.hsv_to_rgb((h + t) % 1, s, v) for h, s, v in map(colorsys.rgb_to_hsv, *zip(*p))]
+        for p, t in zip(pixels.reshape(len(x), -1, 3).tolist(), shift.tolist())
+    ]
+    return torch.tensor(out, dtype=x.dtype).view(pixels.shape).permute(0, 3, 1, 2)
+
+
+def test_hue_turns_the_colour_wheel_as_hsv_does():
+    x = torch.rand(6, 3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[0] = 0.5  # grey: no hue
+    shift = torch.tensor([0.3, -0.1, 0.1, 0.5, -0.5, 0.0], dtype=torch.float64)
+    expected = hue_by_colorsys(x, shift)
+    torch.testing.assert_close(hue(x, shift.view(-1, 1, 1, 1)), expected, rtol=0, atol=1e-12)
+    red = torch.tensor([1.0, 0.0, 0.0]).view(1, 3, 1, 1)
+    assert hue(red, torch.tensor(1 / 3)).flatten().tolist() == [0.0, 1.0, 0.0]
+
+
+def test_colour_applies_torchvisions_ops_in_the_drawn_order_then_grayscale():
+    """Brightness, contrast, saturation as torchvision blends them (with black, the mean grey, the
+    grey image), hue through HSV, each clamped to [0, 1], in the order the sort keys give; then the
+    grayscale flag."""
+    x = torch.rand(3, 3, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    b, c, s, h = 1.3, 0.7, 1.4, 0.1
+
+    def luma(y):
+        return 0.2989 * y[:, :1] + 0.587 * y[:, 1:2] + 0.114 * y[:, 2:]
+
+    ops = {
+        "brightness": lambda y: b * y,
+        "contrast": lambda y: c * y + (1 - c) * luma(y).mean((1, 2, 3), keepdim=True),
+        "saturation": lambda y: s * y + (1 - s) * luma(y),
+        "hue": lambda y: hue_by_colorsys(y, torch.full((len(y),), h, dtype=torch.float64)),
+    }
+
+    def jitter(y, order):
+        for name in order:
+            y = ops[name](y).clamp(0, 1)
+        return y
+
+    names, forward, backward = list(ops), [0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]
+    params = torch.tensor(
+        [[b, c, s, h, 0.0, *forward], [b, c, s, h, 0.0, *backward], [b, c, s, h, 1.0, *forward]],
+        dtype=torch.float64,
+    )
+    out = colour(x, params)
+    torch.testing.assert_close(out[0], jitter(x[:1], names)[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out[1], jitter(x[1:2], names[::-1])[0], rtol=0, atol=1e-12)
+    assert not torch.allclose(out[0], colour(x[:1], params[1:2])[0])
+    grey = luma(jitter(x[2:], names)).expand(-1, 3, -1, -1)
+    torch.testing.assert_close(out[2:], grey, rtol=0, atol=1e-12)
+    assert out.min() >= 0 and out.max() <= 1
 
 
 def test_a_few_steps_against_a_fixed_queue_lower_the_loss(image_root):
@@ -235,7 +355,7 @@ def test_split_batchnorm_is_batchnorm_per_group_and_eval_uses_the_mean_running_s
         )
     plain.running_mean.copy_(split.running_mean), plain.running_var.copy_(split.running_var)
     torch.testing.assert_close(split.eval()(x), plain.eval()(x), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="bn_splits=4 must divide the batch"):
+    with pytest.raises(ValueError, match="bn_splits / world size = 4 must divide the batch"):
         split.train()(x[:10])
 
 
@@ -244,7 +364,7 @@ def test_the_key_branch_normalises_each_positive_key_with_other_images_than_its_
     branch encodes the batch in a shuffled order (drawn after its views from the step's stream) and
     unshuffles the keys, so key i sits in a split of other images than query i; the keys are those
     of the shuffled batch, put back in order."""
-    model = MoCoModel(1, 4, 1, 1, dim=8, queue_size=64, views=RandomViews(1), bn_splits=4).train()
+    model = MoCoModel(1, small(8, 64), RandomViews(1), splits=4).train()
     x = torch.randint(0, 256, (32, 1, 28, 28), dtype=torch.uint8)
     torch.manual_seed(7)
     keys = model.key(x)
@@ -261,6 +381,23 @@ def test_the_key_branch_normalises_each_positive_key_with_other_images_than_its_
     assert (key_split != query_split).float().mean() > 0.5 and not torch.allclose(keys, unshuffled)
 
 
+def test_bn_splits_counts_the_groups_of_the_global_batch(image_root, monkeypatch):
+    """On each of W ranks (batch / W images) split BatchNorm has bn_splits / W groups: a group holds
+    as many images as in one process; a bn_splits that W does not divide, or below 2 groups a rank,
+    is refused."""
+    monkeypatch.setattr(moco, "rank_and_world_size", lambda: (0, 2))
+    experiment, model, config = experiment_and_model(image_root, bn_splits=4)
+    splits = {m.splits for m in model.modules() if isinstance(m, SplitBatchNorm2d)}
+    share = config.batch_size // 2
+    assert splits == {2} and share // 2 == config.batch_size // 4
+    model.query(experiment.collate(list(range(share))).inputs[0])  # groups of the rank's share
+    with pytest.raises(ValueError, match="bn_splits=3 is no multiple of 2 ranks"):
+        experiment_and_model(image_root, bn_splits=3)
+    # one group a rank: the in-rank key shuffle could not separate query i from key i
+    with pytest.raises(ValueError, match="on 2 ranks bn_splits must be at least 4"):
+        experiment_and_model(image_root, bn_splits=2)
+
+
 def test_bad_options_are_refused(image_root):
     for overrides, message in (
         ({"dev_size": -1}, "dev_size >= 0"),
@@ -270,5 +407,5 @@ def test_bad_options_are_refused(image_root):
         with pytest.raises(ValueError, match=message):
             experiment_and_model(image_root, **overrides)
     experiment, model, config = experiment_and_model(image_root, bn_splits=3)
-    with pytest.raises(ValueError, match="bn_splits=3 must divide the batch"):
+    with pytest.raises(ValueError, match="world size = 3 must divide the batch, got 16"):
         model.query(experiment.collate(list(range(16))).inputs[0])

@@ -4,6 +4,7 @@ bags' captions (each once), so it scores the single-process batch, and returns t
 clips (notebook 02). Evaluation: text → video retrieval on held-out videos (R@1/5/10, median rank;
 the paper evaluates on YouCook2 and MSR-VTT instead)."""
 
+import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -191,10 +192,8 @@ class MilNce(Experiment):
         video = embed_in_batches(model.video, features, self.device)
         text = embed_in_batches(model.text, captions, self.device)
         ranks = retrieval_ranks(text, video, torch.arange(len(rows), device=self.device))
-        return {
-            **{f"r{k}": recall_at(ranks, k) for k in (1, 5, 10)},
-            "median_rank": median_rank(ranks),
-        }
+        recalls = {f"r{k}": recall_at(ranks, k) for k in (1, 5, 10)}
+        return {**recalls, "median_rank": median_rank(ranks)}
 
 
 def write_splits(o: MilNce.Options, root: Path, folder: Path) -> dict:
@@ -229,26 +228,37 @@ def write_splits(o: MilNce.Options, root: Path, folder: Path) -> dict:
     return {"skipped": store.skipped}
 
 
+def device_for(backend: str | None = None) -> torch.device:
+    """Where a rank of a `backend` process group (default: the default group's, if any) computes:
+    cuda:LOCAL_RANK under NCCL, else the CPU."""
+    if backend is None and dist.is_initialized():
+        backend = dist.get_backend()
+    cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    return torch.device(cuda if backend == "nccl" else "cpu")
+
+
 def gradient_check(
     options: dict,
     batch_size: int,
     seed: int = 0,
     scale: float = 20.0,
     chunk_size: int | None = None,
+    device: str | None = None,
 ) -> dict:
     """One float64 step of DDP heads through GradCache on this rank's share of a seeded batch (a
-    torchrun target): mean loss over ranks, flat gradient, its `rank_difference` (0.0: in sync)."""
+    torchrun target) on `device` (default: `device_for` the process group): mean loss over ranks,
+    flat gradient, its `rank_difference` (0.0: in sync)."""
     rank, world_size = rank_and_world_size()
-    experiment = MilNce(MilNce.Options(**options), seed=seed, device="cpu")
-    size = experiment.load_data().size
+    experiment = MilNce(MilNce.Options(**options), seed=seed, device=device or device_for())
+    order = torch.randperm(experiment.load_data().size, generator=generator(seed, 0, "shuffle"))
     torch.manual_seed(stream_seed(seed, 0, "init"))
-    model = experiment.build_model().double()
+    model = experiment.build_model().double().to(experiment.device)
     branches = [
         DistributedDataParallel(m) if world_size > 1 else m for m in experiment.branches(model)
     ]
     part = batch_size // world_size
-    order = torch.randperm(size, generator=generator(seed, 0, "shuffle"))
-    batch = experiment.collate(order[rank * part : (rank + 1) * part].tolist())
+    rows = order[rank * part : (rank + 1) * part].tolist()
+    batch = Batch(*to_device(list(experiment.collate(rows)), experiment.device))
     loss = cached_loss(
         lambda *z: experiment.loss(z, batch, scale), branches, batch.inputs, chunk_size or part
     )

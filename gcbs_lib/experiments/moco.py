@@ -5,10 +5,10 @@ The query view of an image goes through the trained encoder f_q (a small ResNet,
 key view through the momentum encoder f_k (no gradients; θ_k ← m·θ_k + (1 − m)·θ_q after every
 step). The negatives are a queue of the K latest keys (a model buffer: checkpoints hold it),
 enqueued after the loss, ℓ_i = −log( e^{q_i·k_i/τ} / (e^{q_i·k_i/τ} + Σ_{j=1}^{K} e^{q_i·queue_j/τ})
-), τ = 0.2 (paper profile: 0.1). Views (crops and flips; MoCo v2's colour jitter is left out) are a
-random layer of each branch, seeded by the trainer like dropout. As in the MoCo CIFAR-10 demo, split
-BatchNorm and a shuffled key batch keep query i and key i from sharing batch statistics (so no
-GradCache chunks). GCBS orders images by f_k of two fixed views."""
+), τ = 0.2 (paper profile: 0.1). Views (crops and flips; on RGB images also MoCo v2's colour jitter
+and grayscale) are a random layer of each branch, seeded by the trainer like dropout. As in the MoCo
+CIFAR-10 demo, split BatchNorm and a shuffled key batch keep query i and key i from sharing batch
+statistics (so no GradCache chunks). GCBS orders images by f_k of two fixed views."""
 
 import copy
 import math
@@ -22,7 +22,7 @@ from torch import nn
 from gcbs_lib.check import require
 from gcbs_lib.data import data_root
 from gcbs_lib.data.images import DATA_NAMES, load
-from gcbs_lib.distributed import gather_with_grad
+from gcbs_lib.distributed import gather_with_grad, rank_and_world_size
 from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches
 from gcbs_lib.metrics import knn_accuracy
 from gcbs_lib.seeding import fixed_subset, generator
@@ -31,9 +31,45 @@ from gcbs_lib.seeding import fixed_subset, generator
 STATS = {1: ((0.5,), (0.5,)), 3: ((0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261))}
 
 
+def gray(x: torch.Tensor) -> torch.Tensor:
+    """The luma of RGB images `[n, 3, H, W]` as `[n, 1, H, W]` (torchvision's rgb_to_grayscale)."""
+    return (x * x.new_tensor([0.2989, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True)
+
+
+def hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """RGB images `[n, 3, H, W]` with their hue turned by `shift` `[n, 1, 1, 1]` (a fraction of the
+    colour wheel), value and chroma kept: torchvision's adjust_hue, its HSV round trip closed."""
+    top, channel = x.max(1, keepdim=True)
+    chroma = top - x.min(1, keepdim=True).values
+    r, g, b = x.split(1, dim=1)
+    # hue in sixths of the wheel, measured from the largest channel
+    sixths = torch.cat([g - b, b - r + 2 * chroma, r - g + 4 * chroma], 1).gather(1, channel)
+    sixths = sixths / torch.where(chroma > 0, chroma, 1) + 6 * shift
+    k = (x.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + sixths) % 6
+    return top - chroma * torch.minimum(k, 4 - k).clamp(0, 1)
+
+
+def colour(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """MoCo v2's colour draw on RGB images in [0, 1]: torchvision's ColorJitter (its four ops in a
+    random order per image), then RandomGrayscale. `params` `[n, 9]` holds each image's brightness,
+    contrast and saturation factors, its hue shift, its grayscale flag and the ops' sort keys."""
+    ops = (
+        lambda x, f: x * f,
+        lambda x, f: f * x + (1 - f) * gray(x).mean((1, 2, 3), keepdim=True),
+        lambda x, f: f * x + (1 - f) * gray(x),
+        hue,
+    )
+    x, order = x.clone(), params[:, 5:].argsort(1)
+    for step in range(4):
+        for k, op in enumerate(ops):
+            pick = order[:, step] == k
+            x[pick] = op(x[pick], params[pick, k].view(-1, 1, 1, 1)).clamp(0, 1)
+    return torch.where(params[:, 4].view(-1, 1, 1, 1) > 0, gray(x).expand_as(x), x)
+
+
 class RandomViews(nn.Module):
-    """Random resized crops with horizontal flips as a layer: uint8 images in, normalised views out;
-    new views (`sample`) each call in training mode; in eval mode the given views, if any."""
+    """MoCo v2's augmentation as a layer: uint8 images in, normalised views out; new views
+    (`sample`) each call in training mode; in eval mode the given views, if any."""
 
     def __init__(self, channels: int):
         super().__init__()
@@ -42,8 +78,9 @@ class RandomViews(nn.Module):
             self.register_buffer(name, torch.tensor(value).view(1, -1, 1, 1), persistent=False)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """n views as affine maps `[n, 2, 3]` (float64, `F.affine_grid`'s θ): crops of area 0.2–1 of
-        the image and aspect 3/4–4/3 at a random place, flipped with probability 1/2."""
+        """n views `[n, 2, 3]` (float64): crops of area 0.2–1, aspect 3/4–4/3, at a random place,
+        flipped with p 1/2, as affine maps (`F.affine_grid`'s θ). RGB views `[n, 5, 3]` add, drawn
+        after, `colour`'s draw: jitter 0.4, 0.4, 0.4, 0.1 with p 0.8, grayscale with p 0.2."""
         u = torch.rand(n, 5, generator=generator, dtype=torch.float64)
         area, ratio = 0.2 + 0.8 * u[:, 0], torch.exp(math.log(3 / 4) + math.log(16 / 9) * u[:, 1])
         w, h = (area * ratio).sqrt().clamp(max=1), (area / ratio).sqrt().clamp(max=1)
@@ -51,7 +88,13 @@ class RandomViews(nn.Module):
         theta[:, 0, 0] = torch.where(u[:, 4] < 0.5, -w, w)
         theta[:, 0, 2] = (1 - w) * (2 * u[:, 2] - 1)
         theta[:, 1, 1], theta[:, 1, 2] = h, (1 - h) * (2 * u[:, 3] - 1)
-        return theta
+        if self.mean.shape[1] == 1:  # one channel: no colour
+            return theta
+        u = torch.rand(n, 10, generator=generator, dtype=torch.float64)
+        jitter = torch.cat([0.6 + 0.8 * u[:, 1:4], 0.2 * u[:, 4:5] - 0.1], 1)
+        jitter = torch.where(u[:, :1] < 0.8, jitter, torch.tensor([1.0, 1.0, 1.0, 0.0]))
+        grayscale = (u[:, 5:6] < 0.2).double()
+        return torch.cat([theta, torch.cat([jitter, grayscale, u[:, 6:]], 1).view(n, 3, 3)], 1)
 
     def forward(self, images: torch.Tensor, views: torch.Tensor | None = None) -> torch.Tensor:
         x = (images.to(self.mean.dtype) / 255 - self.mean) / self.std
@@ -59,10 +102,13 @@ class RandomViews(nn.Module):
         if views is None:
             return x
         # bilinear, reflected at the borders
-        grid = F.affine_grid(views.to(x), list(x.shape), align_corners=False)
-        return F.grid_sample(
-            x, grid, mode="bilinear", padding_mode="reflection", align_corners=False
-        )
+        grid = F.affine_grid(views[:, :2].to(x), list(x.shape), align_corners=False)
+        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+        if views.shape[1] == 2:
+            return x
+        # on the crop in [0, 1], as torchvision's ColorJitter after RandomResizedCrop
+        x = colour(x * self.std + self.mean, views[:, 2:].flatten(1).to(x))
+        return (x - self.mean) / self.std
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
@@ -78,10 +124,7 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         s = self.splits
         if not self.training or s == 1:
             return super().forward(x)
-        require(
-            not len(x) % s,
-            f"bn_splits={s} must divide the batch of each forward pass, got {len(x)} images",
-        )
+        require(not len(x) % s, f"bn_splits / world size = {s} must divide the batch, got {len(x)}")
         # the groups side by side as channels
         groups = x.reshape(len(x) // s, s * x.shape[1], *x.shape[2:])
         mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
@@ -103,13 +146,10 @@ class BasicBlock(nn.Module):
         self.norm1 = SplitBatchNorm2d(cout, splits)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.norm2 = SplitBatchNorm2d(cout, splits)
-        self.shortcut = (
-            nn.Identity()
-            if cin == cout
-            else nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), SplitBatchNorm2d(cout, splits)
-            )
-        )
+        self.shortcut = nn.Identity()
+        if cin != cout:
+            shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False)
+            self.shortcut = nn.Sequential(shortcut, SplitBatchNorm2d(cout, splits))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))) + self.shortcut(x))
@@ -148,23 +188,13 @@ class Branch(nn.Module):
 class MoCoModel(nn.Module):
     """The query branch (trained), the key branch (a momentum copy, no gradients), the queue."""
 
-    def __init__(
-        self,
-        channels: int,
-        width: int,
-        stages: int,
-        blocks: int,
-        dim: int,
-        queue_size: int,
-        views: RandomViews,
-        bn_splits: int = 1,
-    ):
+    def __init__(self, channels: int, o: "MoCo.Options", views: RandomViews, splits: int = 1):
         super().__init__()
-        encoder = small_resnet(channels, width, stages, blocks, bn_splits)
-        self.query = Branch(views, encoder, width * 2 ** (stages - 1), dim)
+        encoder = small_resnet(channels, o.width, o.stages, o.blocks, splits)
+        self.query = Branch(views, encoder, o.width * 2 ** (o.stages - 1), o.dim)
         self.key = copy.deepcopy(self.query).requires_grad_(False)
         self.key.views, self.key.shuffle = views, True
-        self.register_buffer("queue", F.normalize(torch.randn(queue_size, dim), dim=-1))
+        self.register_buffer("queue", F.normalize(torch.randn(o.queue_size, o.dim), dim=-1))
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
 
     @torch.no_grad()
@@ -204,7 +234,7 @@ class MoCo(Experiment):
         knn_k: int = 200
         knn_temperature: float = 0.1
         eval_batch_size: int = 512
-        bn_splits: int = 8  # split BatchNorm groups; must divide the batch of each rank
+        bn_splits: int = 8  # BatchNorm groups of a batch: bn_splits / world size per rank
 
     dev_metric = "knn_accuracy"
     data_name = property(lambda self: DATA_NAMES[self.options.data])
@@ -222,8 +252,7 @@ class MoCo(Experiment):
         train = rest[fixed_subset(len(rest), o.train_limit, "train-subset")]
         self.train, self.train_labels = images[train], labels[train]
         test_images, test_labels = load(o.data, "test", root)
-        keep = fixed_subset(len(test_labels), o.eval_limit, "test-subset")
-        test = torch.tensor(keep, dtype=torch.long)
+        test = fixed_subset(len(test_labels), o.eval_limit, "test-subset")
         self.splits = {
             "dev": (images[dev], labels[dev]),
             "test": (test_images[test], test_labels[test]),
@@ -235,11 +264,14 @@ class MoCo(Experiment):
         return TrainSet(len(train))
 
     def build_model(self) -> nn.Module:
-        o = self.options
-        channels = self.train.shape[1]
-        self.model = MoCoModel(
-            channels, o.width, o.stages, o.blocks, o.dim, o.queue_size, self.views, o.bn_splits
+        o, world = self.options, rank_and_world_size()[1]
+        require(not o.bn_splits % world, f"bn_splits={o.bn_splits} is no multiple of {world} ranks")
+        # the key shuffle stays within a rank: one group per rank would pair query i and key i again
+        require(
+            world == 1 or o.bn_splits >= 2 * world,
+            f"on {world} ranks bn_splits must be at least {2 * world} (2 groups a rank)",
         )
+        self.model = MoCoModel(self.train.shape[1], o, self.views, o.bn_splits // world)
         return self.model
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
@@ -250,15 +282,12 @@ class MoCo(Experiment):
         return Batch([self.train[list(indices)]] * 2)
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
-        """InfoNCE of each query over [its key, the queue]; then every rank's keys enter the
-        queue."""
+        """InfoNCE of each query over [its key, the queue]; then all ranks' keys enter the queue."""
         query, key = embeddings[0], embeddings[1].detach()
         queue = self.model.queue.clone().to(query.dtype)  # a copy: the queue changes in place below
         logits = torch.cat([(query * key).sum(dim=1, keepdim=True), query @ queue.T], dim=1)
         logits = logits * (scale() if callable(scale) else scale)
-        loss = F.cross_entropy(
-            logits, torch.zeros(len(query), dtype=torch.long, device=query.device)
-        )
+        loss = F.cross_entropy(logits, logits.new_zeros(len(query), dtype=torch.long))
         self.model.enqueue(gather_with_grad(key))
         return loss
 
@@ -267,10 +296,8 @@ class MoCo(Experiment):
 
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
         """f_k's embeddings of each image's two fixed views (drawn once per run, from its seed)."""
-        return tuple(
-            model.key(self.train[indices].to(self.device), views[indices])
-            for views in self.gcbs_views
-        )
+        images = self.train[indices].to(self.device)
+        return tuple(model.key(images, views[indices]) for views in self.gcbs_views)
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Weighted kNN accuracy of `split` against the training images, on f_q before its head."""
