@@ -101,7 +101,8 @@ torch.manual_seed(seeds[0])
 model = experiment.build_model().to(device).eval()  # the starting model, as every run starts
 print(
     f"{len(configs)} runs ({len(arms)} arms × {len(seeds)} seeds), batch {base.batch_size}, "
-    f"encoder {base.options.encoder}, data {base.options.data}: {train_set.size} training pairs"
+    f"encoder {base.options.encoder}, data {base.options.data}: {train_set.size} training pairs, "
+    f"{base.epochs} epochs"
 )
 
 # %% [markdown]

@@ -28,6 +28,8 @@ import pytest
 import yaml
 from conftest import child_command_lines
 
+from gcbs_lib.train import load_config
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 NO_REINSTALL = "make -o .venv/.installed"
@@ -158,6 +160,17 @@ def test_gpu_node_command_passes_device_to_all_and_ranks_to_the_notebooks_that_l
         assert (parameters.get("nproc"), parameters.get("backend")) == (
             (8, "nccl") if launches else (None, None)
         )
+
+
+@runs(".venv/bin/python -m gcbs_lib.reproduce --profile paper --only 04 -p profile paper-advtest")
+def test_advtest_with_its_two_epochs_is_reachable_from_the_runner(tmp_path):
+    sh(
+        ".venv/bin/python -m gcbs_lib.reproduce --profile paper --only 04 -p profile paper-advtest "
+        f"--prepare-only --output-dir {tmp_path}"
+    )
+    parameters = injected(tmp_path / "04_gcbs_codesearch.ipynb")
+    config = load_config("codesearch", parameters["profile"])
+    assert (parameters["nproc"], config.options.data, config.epochs) == (4, "advtest", 2)
 
 
 @runs(
