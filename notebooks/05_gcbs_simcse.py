@@ -42,6 +42,8 @@ profile = "ci"  # profile of gcbs_lib/configs/simcse.yaml behind every run
 seeds = [0, 1]
 arms = ["random", "gcbs"]  # samplers compared; "random" is the baseline
 overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
+nproc = 1  # DDP ranks per run (torchrun through gcbs_lib.launcher.launch)
+backend = "gloo"  # "nccl" on GPUs
 output_dir = "../runs/05_gcbs_simcse"  # one folder per run; a finished run is loaded, not retrained
 
 # %%
@@ -158,7 +160,16 @@ print(f"the paper's Δ: {PAPER.deltas[0]:+.4f}")
 # holding each other's hard negatives.
 
 # %%
-summaries = run_arms("simcse", profile, arms, seeds, Path(output_dir) / profile, settings)
+summaries = run_arms(
+    "simcse",
+    profile,
+    arms,
+    seeds,
+    Path(output_dir) / profile,
+    settings,
+    nproc=nproc,
+    backend=backend,
+)
 
 # %% [markdown]
 # ## 5 · Scores, Δ and the verdict

@@ -38,6 +38,8 @@ profile = "ci"  # profile of gcbs_lib/configs/promcse.yaml behind every run
 seeds = [0, 1]
 arms = ["random", "gcbs"]  # samplers compared; "random" is the baseline
 overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
+nproc = 1  # DDP ranks per run (torchrun through gcbs_lib.launcher.launch)
+backend = "gloo"  # "nccl" on GPUs
 output_dir = (
     "../runs/06_gcbs_promcse"  # one folder per run; a finished run is loaded, not retrained
 )
@@ -168,7 +170,16 @@ print(f"the paper's Δ: {PAPER.deltas[0]:+.4f}")
 # loaded, not retrained.
 
 # %%
-summaries = run_arms("promcse", profile, arms, seeds, Path(output_dir) / profile, settings)
+summaries = run_arms(
+    "promcse",
+    profile,
+    arms,
+    seeds,
+    Path(output_dir) / profile,
+    settings,
+    nproc=nproc,
+    backend=backend,
+)
 
 # %% [markdown]
 # Spearman's ρ as a fraction (the paper's +0.27 points is +0.0027 here). Training must first have moved the

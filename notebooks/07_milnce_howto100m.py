@@ -38,7 +38,7 @@ device = "cpu"
 seed = 0  # seed of the demonstration cells and the DDP run
 profile = "ci"  # profile of gcbs_lib/configs/milnce.yaml behind every run, and of the result rows
 seeds = [0]  # seeds of the K × σ sweep and of the random-vs-GCBS comparison
-nproc = 2  # DDP ranks launched with torchrun
+nproc = 2  # DDP ranks launched with torchrun (the DDP run and each run of the comparison)
 backend = "gloo"  # "nccl" on GPUs
 source = "planted"  # data of the DDP run and the comparison: planted | python-doc | howto100m
 data_dir = ""  # empty: the kit data root; howto100m: the folder of features and captions
@@ -518,7 +518,10 @@ for (s, k, _seed), metrics in sweep.items():
 half_width = committed_plan("07_milnce_howto100m", "milnce", "test_r10")
 
 # %%
-summaries = run_arms("milnce", profile, ["random", "gcbs"], seeds, work / "arms", training)
+arms = ["random", "gcbs"]
+summaries = run_arms(
+    "milnce", profile, arms, seeds, work / "arms", training, nproc=nproc, backend=backend
+)
 comparison = arms_table(summaries)  # the GCBS paper has no MIL-NCE experiment: no paper Δ
 
 # %% tags=["figure:dev-r10-and-delta"]
