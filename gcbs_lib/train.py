@@ -6,9 +6,11 @@ command (also under torchrun): `python -m gcbs_lib.train --experiment codesearch
 the global one reseeded at each step: a rerun resumes bitwise from checkpoint.pt."""
 
 import argparse
+import gc
 import hashlib
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -30,14 +32,10 @@ from gcbs_lib.data import write_atomic
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # where a run is, beside its tensors
 STATE = ("step", "epoch", "position", "plan", "best")
-RESUMABLE = {
-    "checkpoint_every",
-    "eval_every",
-    "progress",
-    "device",
-    "sync_check_every",
-    "sync_tolerance",
-}
+RESUMABLE = set(
+    "checkpoint_every eval_every progress device sync_check_every sync_tolerance".split()
+)
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -64,6 +62,8 @@ class TrainConfig:
     clip_norm: float | None = 1.0
     # parameters' dtype (float64: exact comparisons in tests)
     dtype: Literal["float32", "float64"] = "float32"
+    # bf16, fp16: forward and loss under autocast (fp16: the loss scaled by a GradScaler)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     scale: float = 20.0  # logit scale 1/τ (the start value when learnable)
     learnable_scale: bool = False
     max_scale: float = 100.0
@@ -83,20 +83,9 @@ class TrainConfig:
     options: Any = None  # the experiment's Options (filled by `load_config`)
 
     def __post_init__(self):
-        positive = (
-            "batch_size",
-            "epochs",
-            "embed_batch_size",
-            "checkpoint_every",
-            "chunk_size",
-            "max_steps",
-            "lr",
-            "clip_norm",
-            "scale",
-            "max_scale",
-        )
-        values = {key: getattr(self, key) for key in positive}
-        wrong = [key for key, value in values.items() if value is not None and not value > 0]
+        positive = "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr"
+        positive = [*positive.split(), "clip_norm", "scale", "max_scale"]
+        wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
 
 
@@ -127,12 +116,8 @@ def load_config(
     }
     types = {**get_type_hints(options_class), **train_types}
     values = {}
-    for key, value in {
-        **(sections.get("common") or {}),
-        **(sections[profile] or {}),
-        "profile": profile,
-        **(overrides or {}),
-    }.items():
+    merged = {**(sections.get("common") or {}), **(sections[profile] or {}), "profile": profile}
+    for key, value in {**merged, **(overrides or {})}.items():
         if key not in types:
             raise KeyError(
                 f"unknown config key {key!r}; training keys: {', '.join(sorted(train_types))}; "
@@ -147,10 +132,8 @@ def load_config(
 
 def code_fingerprint() -> dict:
     """The sha256 of the package's code and profiles (sorted by path), its git commit, and now."""
-    code = b"".join(
-        p.read_bytes()
-        for p in sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")])
-    )
+    files = sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")])
+    code = b"".join(p.read_bytes() for p in files)
     return {
         "sha256": hashlib.sha256(code).hexdigest(),
         "commit": results.current_commit(),
@@ -184,28 +167,40 @@ class RunFolder:
 
     def resume(self, stateful: dict, total_steps: int, world_size: int) -> dict:
         """Load `stateful` from checkpoint.pt and return where the run was (`STATE`), if this code
-        made it; {} for a new run, or a redo of one made by other code. Other settings: refused."""
+        made it; {} for a new run, or a redo of one made by other code. Other settings: refused; so
+        are ranks that would start from different steps (a folder per node, not one shared)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / "checkpoint.pt"
         self.code = code_fingerprint()
         state = load_checkpoint(path) if path.exists() else {}
+        made = state.get("code", {})
+        redo = bool(state) and made.get("sha256") != self.code["sha256"]
+        # every rank's step (and, before rank 0 removes a checkpoint, every rank has read it)
+        here = (f"{socket.gethostname()}:{self.dir.resolve()}", 0 if redo else state.get("step", 0))
+        ranks = [here] * world_size
+        if world_size > 1:
+            dist.all_gather_object(ranks, here)
+        if len({step for _, step in ranks}) > 1:
+            steps = ", ".join(f"rank {r} {at} at step {step}" for r, (at, step) in enumerate(ranks))
+            raise ValueError(
+                f"the ranks would resume from different steps ({steps}): --output-dir must be one "
+                "folder shared by every node, so that all resume from rank 0's checkpoint"
+            )
         settings = asdict(self.config)
         old = state.get("config", settings)
-        changed = [k for k, v in settings.items() if k not in RESUMABLE and old.get(k) != v]
+        # a key missing from `old` came after it: a redo
+        changed = [k for k, v in settings.items() if k not in RESUMABLE and old.get(k, v) != v]
         if changed:
             raise ValueError(
                 f"{path} was written with other settings ({', '.join(changed)}): use another "
                 "output directory, or the same settings to resume"
             )
-        made = state.get("code", {})
         say = tqdm.write if self.main else lambda message: None
-        if state and made.get("sha256") != self.code["sha256"]:
+        if redo:
             say(
                 f"redoing {self.dir}: its checkpoint was made by other code (commit "
                 f"{made.get('commit', 'unknown')}, {made.get('date', 'unknown date')})"
             )
-            if world_size > 1:
-                dist.barrier()  # every rank has read it before rank 0 removes it
             for name in ("checkpoint.pt", "best.pt", "metrics.jsonl", "results.json"):
                 if self.main:
                     (self.dir / name).unlink(missing_ok=True)
@@ -234,15 +229,13 @@ class RunFolder:
         if self.main:
             state = {**where, "log_lines": self.log_lines, "config": asdict(self.config)}
             state |= {key: part.state_dict() for key, part in stateful.items()}
-            write_atomic(
-                self.dir / "checkpoint.pt", partial(torch.save, {**state, "code": self.code})
-            )
+            state["code"] = self.code
+            write_atomic(self.dir / "checkpoint.pt", partial(torch.save, state))
 
     def save_best(self, model: torch.nn.Module, best: dict) -> None:
         if self.main:
-            write_atomic(
-                self.dir / "best.pt", partial(torch.save, {"model": model.state_dict(), **best})
-            )
+            state = {"model": model.state_dict(), **best}
+            write_atomic(self.dir / "best.pt", partial(torch.save, state))
 
     def log(self, record: dict) -> None:
         if self.main:
@@ -273,11 +266,7 @@ class Trainer:
         self.run = RunFolder(output_dir, config, self.main)
         part = config.batch_size // self.world_size
         self.rows = slice(self.rank * part, (self.rank + 1) * part)  # this rank's of each batch
-        self.device = torch.device(
-            f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if config.device == "cuda" else "cpu"
-        )
-        if self.device.type == "cuda":  # under DDP, a GPU per rank
-            torch.cuda.set_device(self.device)
+        self.device = rank_device(config.device)
         self.experiment = experiments.get(config.experiment)(
             config.options, seed=config.seed, device=self.device
         )
@@ -329,7 +318,9 @@ class Trainer:
         self.scheduler = get_scheduler(
             schedule, self.optimizer, config.warmup_steps, self.total_steps
         )
-        self.stateful.update(optimizer=self.optimizer, scheduler=self.scheduler)
+        # fp16: scales the loss, skips a step whose gradients overflowed (disabled: does nothing)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
+        self.stateful.update(optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler)
         self.step = 0
         self.epoch = 0
         self.position = 0  # the batches of the epoch's plan taken
@@ -373,9 +364,8 @@ class Trainer:
         if self.best["value"] is None or value > self.best["value"]:
             self.best = {"value": value, "step": self.step}
             self.run.save_best(self.model, self.best)
-        self.run.log(
-            {"kind": "eval", "split": "dev", "step": self.step, "epoch": self.epoch, **scores}
-        )
+        where = dict(kind="eval", split="dev", step=self.step, epoch=self.epoch)
+        self.run.log({**where, **scores})
 
     def _plan_epoch(self) -> dict:
         """Each rank embeds its share of the training set; rank 0 plans the epoch's batches on the
@@ -393,14 +383,9 @@ class Trainer:
         plan = [None]
         if self.main:
             plan = [self._sample(z1, z2)]
-            record = {
-                "kind": "epoch",
-                "epoch": self.epoch,
-                "step": self.step,
-                "sampler": config.sampler,
-                "embed_seconds": embedded - start,
-                "sampler_seconds": time.perf_counter() - embedded,
-            }
+            sampled = time.perf_counter()
+            record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
+            record.update(embed_seconds=embedded - start, sampler_seconds=sampled - embedded)
             if config.log_loss_gap:
                 items = plan[0]["batches"].reshape(-1)
                 tau = 1 / self._scale()
@@ -427,15 +412,8 @@ class Trainer:
         if config.sampler != "hard_negatives":
             return {"batches": batches, "negatives": None}
         rng = seeding.generator(config.seed, epoch, "mining")
-        negatives = mining.mine_hard_negatives(
-            z1,
-            z2,
-            batches,
-            top_k=config.mine_top_k,
-            skip=config.mine_skip,
-            keys=keys,
-            generator=rng,
-        )
+        top = dict(top_k=config.mine_top_k, skip=config.mine_skip)
+        negatives = mining.mine_hard_negatives(z1, z2, batches, keys=keys, generator=rng, **top)
         return {"batches": batches, "negatives": negatives}
 
     def _train_step(self, batch: experiments.Batch) -> dict:
@@ -444,20 +422,27 @@ class Trainer:
         start = time.perf_counter()
         batch = experiments.Batch(*experiments.to_device([batch.inputs, batch.extra], self.device))
         loss_fn = lambda *embeddings: self.experiment.loss(embeddings, batch, self.scale)  # noqa: E731
-        if config.chunk_size is not None:
-            loss = gradcache.cached_loss(
-                loss_fn, self.branch_modules, batch.inputs, config.chunk_size
-            )
-        else:
-            loss = loss_fn(*[module(x) for module, x in zip(self.branch_modules, batch.inputs)])
+        autocast = AUTOCAST.get(config.precision)
+        # GradCache's replays take up the autocast state `cached_loss` was called in
+        with torch.autocast(self.device.type, autocast, enabled=autocast is not None):
+            if config.chunk_size is not None:
+                loss = gradcache.cached_loss(
+                    loss_fn, self.branch_modules, batch.inputs, config.chunk_size
+                )
+            else:
+                loss = loss_fn(*[module(x) for module, x in zip(self.branch_modules, batch.inputs)])
         # over the ranks' shares
         global_loss = distributed.gather_with_grad(loss.detach().double().reshape(1)).mean()
-        loss.backward()
+        self.scaler.scale(loss).backward()
         distributed.all_reduce_gradients(self.outside_ddp)
+        self.scaler.unscale_(self.optimizer)  # clipped and checked: the true gradients
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.parameters, config.clip_norm or float("inf")
         )
-        for what, value in (("the loss", global_loss), ("the gradient norm", grad_norm)):
+        judged = {"the loss": global_loss, "the gradient norm": grad_norm}
+        if self.scaler.is_enabled():  # fp16: an overflow skips its step (the scaler's `step`)
+            del judged["the gradient norm"]
+        for what, value in judged.items():
             # nothing changed yet: the last checkpoint holds the last good state
             if not torch.isfinite(value):
                 raise TrainingDiverged(
@@ -467,7 +452,7 @@ class Trainer:
         # the sync check comes after the finiteness checks: inf − inf would read as out of sync
         checked = {}
         every = config.sync_check_every
-        if self.world_size > 1 and every and (self.step + 1) % every == 0:
+        if self.world_size > 1 and every and (self.step + 1) % every == 0 and grad_norm.isfinite():
             grads = [p.grad for p in self.parameters if p.grad is not None]
             difference = distributed.rank_difference([*self.parameters, *grads])
             checked = {"rank_difference": difference}
@@ -477,20 +462,16 @@ class Trainer:
                     f"between the {self.world_size} ranks by up to {difference:.3g}"
                 )
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         torch.no_grad()(self.experiment.after_step)(self.model)  # e.g. a momentum encoder's update
-        self.scheduler.step()
+        if grad_norm.isfinite():  # fp16: a skipped step keeps its learning rate (as HF's Trainer)
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if config.learnable_scale:
             self.scale.clamp_()
-        return {
-            "loss": float(global_loss),
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "scale": self._scale(),
-            "seconds": time.perf_counter() - start,
-            **checked,
-        }
+        record = dict(loss=float(global_loss), lr=lr, grad_norm=float(grad_norm))
+        return {**record, "scale": self._scale(), "seconds": time.perf_counter() - start, **checked}
 
     def _scale(self) -> float:
         return self.scale().item() if self.config.learnable_scale else self.scale
@@ -504,14 +485,11 @@ class Trainer:
     def score(self, split: str) -> list[dict]:
         """The model's scores on `split` as result rows, metrics named `<split>_<name>`."""
         config, experiment = self.config, self.experiment
+        arm = config.arm or config.sampler
         fields = dict(
-            experiment=config.experiment,
-            arm=config.arm or config.sampler,
-            seed=config.seed,
-            profile=config.profile,
-            data=experiment.data_name,
-            model=experiment.model_name,
+            experiment=config.experiment, arm=arm, seed=config.seed, profile=config.profile
         )
+        fields.update(data=experiment.data_name, model=experiment.model_name)
         return [
             results.result_row(metric=f"{split}_{metric}", value=value, **fields)
             for metric, value in self._in_eval_mode(experiment.evaluate, split).items()
@@ -542,6 +520,15 @@ class Trainer:
         }
 
 
+def rank_device(kind: str) -> torch.device:
+    """The CPU, or this rank's GPU (cuda:LOCAL_RANK) made current, with TF32 matmuls and convs."""
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if kind == "cuda" else "cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
 def train(config: TrainConfig, output_dir: str | Path) -> dict | None:
     """Train `config` into `output_dir`, resuming its checkpoint.pt; rank 0 returns the summary."""
     return Trainer(config, output_dir).fit()
@@ -558,10 +545,11 @@ def main(argv: list[str] | None = None) -> None:
         "python -m gcbs_lib.train", description="Train, resuming from OUTPUT_DIR."
     )
     parser.add_argument("--experiment", required=True, help=", ".join(experiments.available()))
-    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--output-dir")
     parser.add_argument("--profile", default="ci")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--sampler", choices=get_args(get_type_hints(TrainConfig)["sampler"]))
+    parser.add_argument("--print-config", action="store_true", help="print the settings as YAML")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -579,6 +567,10 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--set takes KEY=VALUE, got {arguments.overrides}")
         overrides = {**dict(pair.split("=", 1) for pair in arguments.overrides), **overrides}
         config = load_config(arguments.experiment, arguments.profile, overrides)
+        if arguments.print_config:
+            print(yaml.safe_dump(asdict(config), sort_keys=False), end="")
+            return
+        require(arguments.output_dir, "the following arguments are required: --output-dir")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
             dist.init_process_group(
                 "nccl" if config.device == "cuda" else "gloo", timeout=timedelta(hours=3)
@@ -589,6 +581,11 @@ def main(argv: list[str] | None = None) -> None:
     summary = trainer.fit()
     if summary is not None:
         print(json.dumps({key: summary[key] for key in ("test", "best_step", "output_dir")}))
+    if dist.is_initialized():  # torchrun's: DDP's reducers freed, then all ranks leave together
+        del trainer
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,15 +7,18 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 
 import gcbs_lib.train
 from gcbs_lib.data import write_atomic
@@ -137,6 +140,17 @@ def test_the_paper_profiles_follow_the_original_recipes_and_ci_keeps_adamw():
     } == {k: v for k, v in vars(csn).items() if k not in ("epochs", "options", "profile")}
 
 
+def test_the_paper_profiles_train_in_their_recipes_precision_and_the_cpu_ones_in_fp32():
+    """SimCSE's and PromCSE's scripts pass --fp16; UniXcoder's run.py, the MoCo CIFAR-10 demo and
+    MIL-NCE train in float32. The ci and cpu profiles keep fp32: their committed results stand."""
+    paper = {"simcse": "fp16", "promcse": "fp16", "codesearch": "fp32", "moco": "fp32"}
+    paper["milnce"] = "fp32"
+    assert {name: load_config(name, "paper").precision for name in paper} == paper
+    assert load_config("codesearch", "paper-advtest").precision == "fp32"
+    cpu = {load_config(name, profile).precision for name in paper for profile in ("ci", "cpu")}
+    assert cpu == {"fp32"}
+
+
 @pytest.mark.parametrize(
     "overrides, error, match",
     [
@@ -146,6 +160,7 @@ def test_the_paper_profiles_follow_the_original_recipes_and_ci_keeps_adamw():
             "unknown config key 'learning_rate'; training keys: arm, batch_size",
         ),
         ({"bf16": "true"}, KeyError, "unknown config key 'bf16'"),
+        ({"precision": "fp8"}, ValueError, r"precision must be Literal\['fp32', 'bf16', 'fp16'\]"),
         ({"batch_size": "sixty-four"}, ValueError, "batch_size must be int, got 'sixty-four'"),
         ({"batch_size": "6.5"}, ValueError, "batch_size must be int"),
         ({"max_steps": "many"}, ValueError, r"max_steps must be int \| None"),
@@ -206,6 +221,27 @@ def test_command_line_errors_exit_2_with_one_message_and_no_traceback(
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith("usage:") and "error: " in err and message in err
     assert not any(tmp_path.iterdir())
+
+
+def test_print_config_prints_the_resolved_settings_as_yaml_and_loads_nothing(tmp_path, capsys):
+    """The paper recipe as it would run, checked before spending GPU hours: no data (its folder
+    does not exist), no model, nothing written; without --print-config, --output-dir is needed."""
+    run, missing = tmp_path / "run", tmp_path / "no-data"
+    arguments = ["--experiment", "simcse", "--profile", "paper", "--seed", "4"]
+    main([*arguments, "--output-dir", str(run), f"--set=data_root={missing}", "--print-config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    config = load_config("simcse", "paper", {"seed": 4, "data_root": str(missing)})
+    assert printed == asdict(config) and not run.exists()
+    assert (printed["precision"], printed["seed"], printed["options"]["encoder"]) == (
+        "fp16",
+        4,
+        "bert-base-uncased",
+    )
+    main([*arguments, "--print-config"])  # no --output-dir needed
+    assert yaml.safe_load(capsys.readouterr().out) == asdict(
+        load_config("simcse", "paper", {"seed": 4})
+    )
+    assert "the following arguments are required: --output-dir" in refused(capsys, arguments)
 
 
 def refused(capsys, arguments) -> str:
@@ -294,14 +330,15 @@ def test_every_arm_reads_its_order_into_batches_alike(tmp_path, data_root, sampl
     assert (plan["negatives"] is not None) == (sampler == "hard_negatives")
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterrupted_run(
-    tmp_path, data_root
+    tmp_path, data_root, precision
 ):
     """GCBS sampler, dropout on, checkpoints every 5 steps; the kill lands after step 17 of 24, in
     the second epoch, whose GCBS order came from the model trained in the first: the resumed run
-    must restore that order."""
+    must restore that order. In float32, and under bf16 autocast."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    options = {"checkpoint_every": 5, "eval_every": 4}
+    options = {"checkpoint_every": 5, "eval_every": 4, "precision": precision}
     assert cli(*command(whole, data_root, **options)).returncode == 0
     job = subprocess.Popen(
         [sys.executable, "-m", "gcbs_lib.train", *command(killed, data_root, **options)],
@@ -561,3 +598,54 @@ def test_the_sync_check_stops_drifted_ranks_naming_the_step_and_a_nan_stops_as_d
             args={"config": asdict(config), "output_dir": str(tmp_path)},
         )
     assert [(r["step"], r.get("rank_difference")) for r in records(tmp_path)] == logged
+
+
+def train_in_a_folder_of_its_own(config: dict, output_dirs: list[str]) -> dict | None:
+    """`launched` into `output_dirs[rank]` (as a relative --output-dir on two nodes); a rank that
+    refuses writes why into its folder (a torchrun target)."""
+    folder = output_dirs[dist.get_rank()]
+    try:
+        return launched(config, folder)
+    except ValueError as error:
+        Path(folder, "refused.txt").write_text(str(error))
+        raise
+
+
+def test_ranks_that_would_resume_from_different_steps_all_refuse_naming_folders_and_steps(
+    tmp_path, data_root, monkeypatch
+):
+    """Node 0's folder holds a checkpoint at step 2, node 1's none: every rank stops with one
+    message (not a hang or a crash in mismatched collectives). In one shared folder, both resume
+    from rank 0's checkpoint."""
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
+    config = load_config(
+        "codesearch",
+        "ci",
+        settings(data_root, max_steps=4, checkpoint_every=2, log_loss_gap="false"),
+    )
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    original = Trainer._train_step
+
+    def stop_before_step_3(self, batch):
+        if self.step == 2:
+            raise InterruptedError("stopped")
+        return original(self, batch)
+
+    with monkeypatch.context() as patch, pytest.raises(InterruptedError):
+        patch.setattr(Trainer, "_train_step", stop_before_step_3)
+        train(config, node0)
+    ranks = partial(launch, f"{__name__}:train_in_a_folder_of_its_own", echo=False, timeout=120)
+    with pytest.raises(LaunchError, match="the ranks would resume from different steps"):
+        ranks(nproc=2, args={"config": asdict(config), "output_dirs": [str(node0), str(node1)]})
+    host = socket.gethostname()
+    message = (
+        f"the ranks would resume from different steps (rank 0 {host}:{node0.resolve()} at step 2, "
+        f"rank 1 {host}:{node1.resolve()} at step 0): --output-dir must be one folder shared by "
+        "every node"
+    )
+    assert message in (node0 / "refused.txt").read_text()
+    assert message in (node1 / "refused.txt").read_text()
+    assert load_checkpoint(node0 / "checkpoint.pt")["step"] == 2
+    assert not (node1 / "checkpoint.pt").exists()
+    summary = ranks(nproc=2, args={"config": asdict(config), "output_dirs": [str(node0)] * 2})
+    assert summary["steps"] == 4 and [r["step"] for r in records(node0)] == [1, 2, 3, 4]

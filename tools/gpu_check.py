@@ -1,15 +1,17 @@
-"""The prepared GPU check (issue 18): six checks of the kit on one device, one markdown table, exit
-1 on a failure.
+"""The prepared GPU check (issue 18): seven checks of the kit on one device, one markdown table,
+exit 1 on a failure.
 
     .venv/bin/python tools/gpu_check.py                        # a lent GPU, a few minutes (≤ 8)
     .venv/bin/python tools/gpu_check.py --device cpu --quick   # the same checks, CPU-sized
 
 dropout: GradCache's dropout replay against one full graph, fp32 and fp64; bf16: the same under bf16
 autocast; gcbs: the GCBS order on the device equals the CPU's, and its time against one pass of S's
-matmul; resume: a training run killed after a checkpoint and rerun ends with the uninterrupted run's
-model; minilm: notebook 04's recipe (UniXcoder lengths, batch 64) with the packaged MiniLM on the
-stand-in; nccl: an all_reduce on one rank (gloo on the CPU). Result "note": not bitwise, within what
-nondeterministic device kernels explain; "info": reported, not judged.
+matmul; precision: trainer steps (GradCache chunks) under the `precision` setting, bf16 autocast
+and fp16 autocast with its GradScaler, against the same steps in fp32; resume: a training run
+killed after a checkpoint and rerun ends with the uninterrupted run's model; minilm: notebook 04's
+recipe (UniXcoder lengths, batch 64) with the packaged MiniLM on the stand-in; nccl: an all_reduce
+on one rank (gloo on the CPU). Result "note": not bitwise, within what nondeterministic device
+kernels explain; "info": reported, not judged.
 """
 
 import argparse
@@ -32,13 +34,13 @@ from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.launcher import launch
 from gcbs_lib.losses import info_nce
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
-from gcbs_lib.train import load_checkpoint, load_config
+from gcbs_lib.train import load_checkpoint, load_config, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from bench_gcbs import embedded_pairs, floor_pass  # noqa: E402  (bench/ is not a package: GCBS's data and floor)
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("dropout", "bf16", "gcbs", "resume", "minilm", "nccl")
+CHECKS = ("dropout", "bf16", "gcbs", "precision", "resume", "minilm", "nccl")
 
 
 def replay_gradients(device: str, dtype: torch.dtype, autocast: bool = False) -> tuple[list, list]:
@@ -144,6 +146,43 @@ def check_gcbs(args) -> list:
             "reported (graph and RCM run on the CPU)",
         ),
     ]
+
+
+def check_precision(args) -> list:
+    """The ci code-search run, 4 steps with GradCache chunks of 8, in fp32, bf16 and fp16 on the
+    device: finite losses, a step taken, and the first step's loss (same parameters, same batch)
+    within 10× the autocast dtype's tolerance of fp32's. fp16's skipped steps (its GradScaler
+    starts at 2^16, so early overflows are expected) and final scale are reported."""
+    settings = {"device": args.device, "max_steps": "4", "chunk_size": "8", "progress": "false"}
+    steps, scaler = {}, {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-precision-") as tmp:
+        for precision in ("fp32", "bf16", "fp16"):
+            folder = Path(tmp, precision)
+            train(load_config("codesearch", "ci", {**settings, "precision": precision}), folder)
+            lines = (folder / "metrics.jsonl").read_text().splitlines()
+            steps[precision] = [r for r in map(json.loads, lines) if r["kind"] == "step"]
+            scaler[precision] = load_checkpoint(folder / "checkpoint.pt")["scaler"]
+    reference = steps["fp32"][0]["loss"]
+    rows = []
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        losses = [r["loss"] for r in steps[precision]]
+        skipped = sum(not math.isfinite(r["grad_norm"]) for r in steps[precision])
+        error, limit = abs(losses[0] - reference) / abs(reference), 10 * tolerance(dtype)
+        good = all(map(math.isfinite, losses)) and len(losses) == 4 and skipped < 4
+        measured = (
+            f"step-1 loss rel. err {error:.1e} vs fp32; losses {losses[0]:.4f} → {losses[-1]:.4f}"
+        )
+        if precision == "fp16":
+            measured += f"; {skipped} of 4 steps skipped, loss scale {scaler['fp16']['scale']:g}"
+        rows.append(
+            (
+                f"trainer, precision {precision}: 4 steps, GradCache chunks of 8",
+                "pass" if good and error <= limit else "FAIL",
+                measured,
+                f"finite, a step taken; step-1 loss ≤ {limit:g}",
+            )
+        )
+    return rows
 
 
 def train_run(output_dir: Path, profile: str, settings: list[str], popen: bool = False):

@@ -1,0 +1,153 @@
+"""Specification of the trainer's `precision`: bf16 and fp16 autocast around the forward and the
+loss, through GradCache's replays; fp16's GradScaler (the loss scaled, gradients unscaled before
+clipping, a step whose gradients overflowed skipped, its state in checkpoint.pt so a resumed run
+ends bitwise where an uninterrupted one does); each rank's device, with TF32 on CUDA. CPU autocast
+runs the same code paths as CUDA's (torch 2.13 supports float16 autocast on the CPU)."""
+
+import math
+
+import pytest
+import torch
+from test_train import records, settings
+
+import gcbs_lib.train
+from gcbs_lib.experiments.codesearch import CodeSearch
+from gcbs_lib.train import Trainer, TrainingDiverged, load_checkpoint, load_config, train
+
+ORIGINAL_LOSS = CodeSearch.loss
+
+
+class Stopped(Exception):
+    """The stand-in for a kill: the run stops before a step, its last checkpoint kept."""
+
+
+def poisoned_loss(self, embeddings, batch, scale):
+    """The loss, plus sqrt(0·Σ embeddings) at a poisoned step: the same finite value, NaN
+    gradients (an fp16 overflow's outcome)."""
+    loss = ORIGINAL_LOSS(self, embeddings, batch, scale)
+    return loss + (0 * embeddings[0].sum()).sqrt() if self.poisoned else loss
+
+
+def run(monkeypatch, config, folder, poisoned=(), stop_before=None, autocast_seen=None):
+    """`train(config, folder)` with NaN gradients at the steps `poisoned`, stopped before step
+    `stop_before`; `autocast_seen` collects (enabled, dtype) of every encoder call in a step."""
+    original = Trainer._train_step
+
+    def seen(module, inputs, output):
+        autocast_seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+
+    def step(self, batch):
+        if self.step + 1 == stop_before:
+            raise Stopped
+        self.experiment.poisoned = self.step + 1 in poisoned
+        modules = {id(m): m for m in self.branch_modules}.values()  # codesearch: one, shared
+        hooks = [m.register_forward_hook(seen) for m in modules if autocast_seen is not None]
+        try:
+            return original(self, batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_train_step", step)
+        patch.setattr(CodeSearch, "loss", poisoned_loss)
+        return train(config, folder)
+
+
+def ci(data_root, **overrides):
+    """6 steps of 16 pairs, GradCache chunks of 4 (4 chunks a branch), a checkpoint every 2."""
+    values = {"max_steps": 6, "chunk_size": 4, "checkpoint_every": 2, "log_loss_gap": "false"}
+    return load_config("codesearch", "ci", settings(data_root, **{**values, **overrides}))
+
+
+def test_bf16_autocast_covers_every_forward_and_replay_and_trains_finite_near_fp32(
+    tmp_path, data_root, monkeypatch
+):
+    seen = []
+    run(monkeypatch, ci(data_root, precision="bf16"), tmp_path / "bf16", autocast_seen=seen)
+    run(monkeypatch, ci(data_root), tmp_path / "fp32")
+    # per step: 2 branches of 4 chunks without a graph, then 7 replays (the last kept its graph)
+    assert seen == [(True, torch.bfloat16)] * 6 * (8 + 7)
+    bf16, fp32 = (load_checkpoint(tmp_path / name / "checkpoint.pt") for name in ("bf16", "fp32"))
+    assert bf16["step"] == fp32["step"] == 6 and bf16["scaler"] == fp32["scaler"] == {}
+    losses = [[r["loss"] for r in records(tmp_path / name)] for name in ("bf16", "fp32")]
+    assert all(map(math.isfinite, losses[0])) and losses[0] != losses[1]
+    assert losses[0] == pytest.approx(losses[1], rel=0.05)
+    assert any(not torch.equal(bf16["model"][k], fp32["model"][k]) for k in fp32["model"])
+    for key, value in bf16["model"].items():  # parameters stay float32: autocast casts per op
+        assert value.dtype == fp32["model"][key].dtype and torch.isfinite(value).all()
+
+
+def test_fp16_skips_a_step_whose_gradients_overflowed_and_halves_the_loss_scale(
+    tmp_path, data_root, monkeypatch
+):
+    """As torch.amp.GradScaler does: NaN gradients at step 3 do not stop an fp16 run (in fp32 they
+    do); the optimizer and the learning-rate schedule skip that step (as transformers' Trainer), and
+    the scale halves for each skipped step, 65536 at the start."""
+    with pytest.raises(TrainingDiverged, match="the gradient norm is not finite at step 3"):
+        run(monkeypatch, ci(data_root), tmp_path / "fp32", poisoned={3})
+    seen = []
+    config = ci(data_root, precision="fp16", warmup_steps=6)
+    run(monkeypatch, config, tmp_path / "fp16", poisoned={3}, autocast_seen=seen)
+    assert set(seen) == {(True, torch.float16)}
+    steps = records(tmp_path / "fp16")
+    skipped = [r["step"] for r in steps if not math.isfinite(r["grad_norm"])]
+    assert 3 in skipped and len(skipped) < 6 and all(math.isfinite(r["loss"]) for r in steps)
+    last = load_checkpoint(tmp_path / "fp16" / "checkpoint.pt")
+    assert last["scaler"]["scale"] == 65536.0 * 0.5 ** len(skipped)
+    taken = 6 - len(skipped)
+    assert {s["step"].item() for s in last["optimizer"]["state"].values()} == {taken}
+    assert last["scheduler"]["last_epoch"] == taken
+    # linear warmup over 6 steps: the lr moves on only after a step the optimizer took
+    taken_before = [len([s for s in range(1, step) if s not in skipped]) for step in range(1, 7)]
+    assert [r["lr"] for r in steps] == pytest.approx([1e-3 * n / 6 for n in taken_before])
+    assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_run_stopped_mid_way_resumes_to_bitwise_the_uninterrupted_run_with_its_scaler(
+    tmp_path, data_root, monkeypatch, precision
+):
+    """Stopped before step 6 (its checkpoint at step 4), rerun: the model, the optimizer and the
+    loss scaler's state (fp16: halved at the poisoned step 3) end as in one uninterrupted run."""
+    config = ci(data_root, precision=precision, max_steps=8, eval_every=3)
+    poisoned = {3} if precision == "fp16" else set()  # in bf16, as in fp32, a NaN stops the run
+    whole = run(monkeypatch, config, tmp_path / "whole", poisoned)
+    with pytest.raises(Stopped):
+        run(monkeypatch, config, tmp_path / "cut", poisoned, stop_before=6)
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["step"] == 4
+    assert run(monkeypatch, config, tmp_path / "cut", poisoned)["rows"] == whole["rows"]
+    a, b = (load_checkpoint(tmp_path / name / "checkpoint.pt") for name in ("whole", "cut"))
+    assert a["step"] == b["step"] == 8 and a["scaler"] == b["scaler"]
+    if precision == "fp16":
+        assert a["scaler"]["scale"] < 65536.0  # the poisoned step halved it before the stop
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert all(
+            torch.equal(a["optimizer"]["state"][i][key], b["optimizer"]["state"][i][key])
+            for i in a["optimizer"]["state"]
+        )
+    logged = [
+        [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in records(tmp_path / name)]
+        for name in ("whole", "cut")
+    ]
+    assert logged[0] == logged[1] and len(logged[0]) == 8
+
+
+def test_each_rank_takes_its_local_gpu_with_tf32_matmuls_and_the_cpu_is_left_as_it_is(
+    monkeypatch,
+):
+    """The CUDA branch, run on a CPU machine with torch.cuda.set_device stubbed."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    flags = (matmul.allow_tf32, cudnn.allow_tf32)
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    try:
+        assert gcbs_lib.train.rank_device("cpu") == torch.device("cpu") and current == []
+        assert not matmul.allow_tf32 and not cudnn.allow_tf32
+        assert gcbs_lib.train.rank_device("cuda") == torch.device("cuda:3") == current[0]
+        assert matmul.allow_tf32 and cudnn.allow_tf32
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = flags
