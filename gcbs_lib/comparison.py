@@ -81,10 +81,9 @@ def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: 
     )
     made = provenance()[name]
     sd = statistics.stdev(paired.differences)
-    seconds = made["seconds"] / len(paired.differences)
-    print(
-        f"committed run at {made['commit']}: s_Δ = {sd:.4g} over {len(paired.differences)} seeds,"
-    )
+    seeds = len(paired.differences)
+    seconds = made["seconds"] / seeds
+    print(f"committed run at {made['commit']}: s_Δ = {sd:.4g} over {seeds} seeds,")
     print(f"{seconds:.0f} s a seed on {made['cores']} cores; the next run's seeds:")
     return pilot_plan(sd, seconds, budget_minutes)
 

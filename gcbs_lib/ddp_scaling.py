@@ -108,9 +108,8 @@ def build_models(setup: ScalingSetup) -> tuple[TinyTextEncoder, LogitScale]:
 def global_batch(setup: ScalingSetup, world_size: int) -> list[dict]:
     """Queries and documents of all W·B pairs; rank r holds rows r·B:(r+1)·B."""
     generator = torch.Generator().manual_seed(setup.seed)
-    batches = [
-        random_token_batch(world_size * setup.per_rank, LENGTH, VOCAB, generator) for _ in "qd"
-    ]
+    rows = world_size * setup.per_rank
+    batches = [random_token_batch(rows, LENGTH, VOCAB, generator) for _ in "qd"]
     return [{k: v.to(setup.device) for k, v in batch.items()} for batch in batches]
 
 

@@ -85,14 +85,10 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
     holds a NaN."""
     if rank_and_world_size()[1] == 1:
         return 0.0
-    tensors, layouts = (
-        [t.detach().reshape(-1) for t in tensors if t.numel()],
-        [None] * dist.get_world_size(),
-    )
-    dist.all_gather_object(
-        layouts,
-        ([(t.numel(), str(t.dtype)) for t in tensors], any(bool(t.isnan().any()) for t in tensors)),
-    )
+    tensors = [t.detach().reshape(-1) for t in tensors if t.numel()]
+    layouts = [None] * dist.get_world_size()
+    has_nan = any(bool(t.isnan().any()) for t in tensors)
+    dist.all_gather_object(layouts, ([(t.numel(), str(t.dtype)) for t in tensors], has_nan))
     if any(layout != layouts[0][0] for layout, _ in layouts):
         raise ValueError("rank_difference: ranks hold tensors of different sizes or dtypes")
     if any(has_nan for _, has_nan in layouts):  # MAX and MIN all-reduces may drop a NaN

@@ -205,9 +205,8 @@ def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> 
     out before a batch is full (copies of one key at its end), a waiting item trades places with an
     item of an earlier batch."""
     if keys is None:
-        return [
-            order[s : s + batch_size] for s in range(0, len(order) - batch_size + 1, batch_size)
-        ]
+        starts = range(0, len(order) - batch_size + 1, batch_size)
+        return [order[s : s + batch_size] for s in starts]
     queue, batches = deque(order), []
     for b in range(len(order) // batch_size):
         batch, seen, waiting = [], set(), []
@@ -294,10 +293,9 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     order = torch.as_tensor(order)
     require(not order.is_floating_point(), f"order must hold integer indices, got {order.dtype}")
     order = order.long().to(u1.device)
-    if order.shape != (n,) or not torch.equal(
-        order.sort().values, torch.arange(n, device=u1.device)
-    ):
-        raise ValueError(f"order must be a permutation of range({n})")
+    items = torch.arange(n, device=u1.device)
+    permutation = order.shape == (n,) and torch.equal(order.sort().values, items)
+    require(permutation, f"order must be a permutation of range({n})")
     batch_of = order.argsort() // batch_size  # item i stands at place argsort[i] of the order
     total, rows = 0.0, max(1, BLOCK_ELEMENTS // n)
     for start in range(0, n, rows):

@@ -51,9 +51,7 @@ def batch_length(batch: torch.Tensor | Mapping[str, Any]) -> int:
         raise TypeError(
             f"a branch's batch must be a tensor or a dict of tensors, got {type(batch).__name__}"
         )
-    lengths = {
-        key: value.shape[:1] for key, value in batch.items() if isinstance(value, torch.Tensor)
-    }
+    lengths = {k: v.shape[:1] for k, v in batch.items() if isinstance(v, torch.Tensor)}
     require(
         len(set(lengths.values())) == 1 and () not in lengths.values(),
         f"a dict batch needs tensor entries, all of the same length on dim 0; got shapes {lengths}",
@@ -65,22 +63,14 @@ def slice_batch(batch: torch.Tensor | Mapping[str, Any], start: int, stop: int):
     """Rows start:stop of a batch; non-tensor dict entries pass through unchanged."""
     if isinstance(batch, torch.Tensor):
         return batch[start:stop]
-    return {
-        key: value[start:stop] if isinstance(value, torch.Tensor) else value
-        for key, value in batch.items()
-    }
+    return {k: v[start:stop] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def encode_in_chunks(encoder: Callable, batch, chunk_size: int) -> torch.Tensor:
     """`encoder` chunk by chunk with a graph: `cached_loss`'s dropout masks (from one RNG state),
     one whole graph."""
-    n = batch_length(batch)
-    return joined(
-        [
-            encoder(slice_batch(batch, start, start + chunk_size))
-            for start in range(0, n, chunk_size)
-        ]
-    )
+    starts = range(0, batch_length(batch), chunk_size)
+    return joined([encoder(slice_batch(batch, start, start + chunk_size)) for start in starts])
 
 
 def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -196,11 +186,9 @@ def _checked(z, chunk: _Chunk) -> torch.Tensor:
 
 
 def _tensors(batch) -> list[torch.Tensor]:
-    return (
-        [batch]
-        if isinstance(batch, torch.Tensor)
-        else [v for v in batch.values() if isinstance(v, torch.Tensor)]
-    )
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    return [v for v in batch.values() if isinstance(v, torch.Tensor)]
 
 
 def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
@@ -214,11 +202,8 @@ def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
         not isinstance(batches, (torch.Tensor, Mapping)) and len(batches) > 0,
         "batches must be a non-empty sequence with one input per branch",
     )
-    encoders = (
-        list(encoders)
-        if isinstance(encoders, (list, tuple, nn.ModuleList))
-        else [encoders] * len(batches)
-    )
+    if not isinstance(encoders, (list, tuple, nn.ModuleList)):
+        encoders = [encoders] * len(batches)
     require(
         len(encoders) == len(batches),
         f"{len(encoders)} encoders for {len(batches)} branches: give one per branch or one shared",
@@ -229,27 +214,17 @@ def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
         require(n, f"branch {branch} is an empty batch")
         require(
             not any(t.requires_grad for t in _tensors(batch)),
-            f"branch {branch}: the batch requires grad; "
-            "GradCache replays the encoder on its inputs, so compute them inside the encoder (or "
-            "detach them)",
+            f"branch {branch}: the batch requires grad; GradCache replays the encoder on its "
+            "inputs, so compute them inside the encoder (or detach them)",
         )
+        modules = encoder.modules() if isinstance(encoder, nn.Module) else []
         require(
-            not isinstance(encoder, nn.Module)
-            or not any(
-                isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-                for m in encoder.modules()
-            ),
+            not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in modules),
             f"branch {branch}: BatchNorm in training mode normalises each chunk by its own "
-            "statistics, so no "
-            f"replay gives the full batch's gradients; use LayerNorm or BatchNorm in eval mode",
+            "statistics, so no replay gives the full batch's gradients; use LayerNorm or BatchNorm "
+            "in eval mode",
         )
-        chunks += [
-            _Chunk(
-                branch,
-                encoder,
-                slice_batch(batch, start, start + chunk_size),
-                slice(start, min(start + chunk_size, n)),
-            )
-            for start in range(0, n, chunk_size)
-        ]
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(start + chunk_size, n))
+            chunks.append(_Chunk(branch, encoder, slice_batch(batch, rows.start, rows.stop), rows))
     return chunks

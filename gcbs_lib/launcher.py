@@ -21,8 +21,7 @@ from gcbs_lib.check import require
 
 
 class LaunchError(RuntimeError):
-    """A launched job failed: `rank` is the rank that failed first; the message holds its
-    traceback."""
+    """A launched job failed: `rank` failed first; the message holds its traceback."""
 
     def __init__(self, message: str, rank: int):
         super().__init__(message)
@@ -51,14 +50,11 @@ def launch(
         target = getattr(importlib.import_module(module), name)
     require(
         target.__module__ != "__main__" and target.__qualname__.isidentifier(),
-        f"child processes cannot import "
-        f"{target.__qualname__} (a notebook's, a script's or a local function): move it into "
-        "gcbs_lib",
+        f"child processes cannot import {target.__qualname__} (a notebook's, a script's or a "
+        "local function): move it into gcbs_lib",
     )
-    handlers = {
-        s: signal.getsignal(s)
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-    }
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    handlers = {s: signal.getsignal(s) for s in signals}
     with tempfile.TemporaryDirectory(prefix="gcbs-launch-") as logs:
         config = LaunchConfig(
             min_nodes=1,
@@ -76,18 +72,14 @@ def launch(
         except ChildFailedError as error:
             # {rank: ProcessFailure}; the first error file written names the cause
             failures = error.failures
-            written = {
-                r: os.path.getmtime(f.error_file)
-                for r, f in failures.items()
-                if os.path.isfile(f.error_file)
-            }
+            files = {r: f.error_file for r, f in failures.items()}
+            written = {r: os.path.getmtime(f) for r, f in files.items() if os.path.isfile(f)}
             rank = min(written, key=written.get) if written else min(failures)
             # the error file's {..., "extraInfo": {"py_callstack"}}, or a signal
-            message = failures[rank].message
-            message = message["extraInfo"]["py_callstack"] if isinstance(message, dict) else message
-            raise LaunchError(
-                f"rank {rank} of {target.__qualname__} failed:\n{message}", rank
-            ) from None
+            cause = failures[rank].message
+            cause = cause["extraInfo"]["py_callstack"] if isinstance(cause, dict) else cause
+            message = f"rank {rank} of {target.__qualname__} failed:\n{cause}"
+            raise LaunchError(message, rank) from None
         finally:
             if threading.current_thread() is threading.main_thread():  # the launcher replaced them
                 for number, handler in handlers.items():

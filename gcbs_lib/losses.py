@@ -25,10 +25,8 @@ class LogitScale(nn.Module):
 
     def __init__(self, init_scale: float = 1 / 0.07, max_scale: float = 100.0):
         super().__init__()
-        self.log_scale, self.max_log_scale = (
-            nn.Parameter(torch.tensor(math.log(init_scale))),
-            math.log(max_scale),
-        )
+        self.log_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
+        self.max_log_scale = math.log(max_scale)
 
     def forward(self) -> torch.Tensor:
         return self.log_scale.exp()
@@ -83,10 +81,9 @@ def rank_info_nce(
     n, m = len(all_queries), len(all_docs)
     require(
         n and m and not m % n and not n % world_size,
-        f"{m} documents for {n} queries on {world_size} ranks: "
-        "their count must be a multiple of the query count ([positive, hard negatives...] per "
-        "query), and the "
-        f"queries must split over the ranks",
+        f"{m} documents for {n} queries on {world_size} ranks: their count must be a multiple of "
+        "the query count ([positive, hard negatives...] per query), and the queries must split "
+        "over the ranks",
     )
     group, b, s = m // n, n // world_size, scale() if callable(scale) else scale
     own = torch.arange(rank * b, (rank + 1) * b, device=all_queries.device)
@@ -133,17 +130,13 @@ def mil_nce(
     bags = bag_idx.clamp(min=0)
     rows, slots = (exclude >= 0).nonzero(as_tuple=True)
     cols = exclude[rows, slots]
-    positive = (
-        torch.einsum("bd,bad->ba", scaled, text[bags])
-        .masked_fill(padding, -math.inf)
-        .logsumexp(dim=1)
-    )
+    positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf)
+    positive = positive.logsumexp(dim=1)
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
     # every clip against caption j (a column sum), then over the captions of clip i's bag
     if direction == "both":
-        columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags].masked_fill(
-            padding, -math.inf
-        )
+        columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags]
+        columns = columns.masked_fill(padding, -math.inf)
         denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
     loss = denominator - positive
     return loss.mean() if reduction == "mean" else loss
@@ -233,9 +226,8 @@ class _ChunkedLogSumExp(torch.autograd.Function):
         a, b, rows, cols, lse = ctx.saved_tensors
         grad_a, grad_b = torch.zeros_like(a), torch.zeros_like(b)
         for r, c in ctx.blocks:
-            weights = (
-                (_masked_block(a, b, rows, cols, r, c) - lse[r, None]).exp_().mul_(grad[r, None])
-            )
+            scores = _masked_block(a, b, rows, cols, r, c)
+            weights = (scores - lse[r, None]).exp_().mul_(grad[r, None])
             grad_a[r].addmm_(weights, b[c])
             grad_b[c].addmm_(weights.T, a[r])
         return grad_a, grad_b, None, None, None

@@ -88,10 +88,8 @@ def contrastive_step(method: str, batch_size: int, chunk_size: int = 16, device:
     torch.manual_seed(0)
     encoder = TinyTextEncoder(1000, 64, 4, 2, 32).to(device)
     generator = torch.Generator().manual_seed(0)
-    batches = [
-        {k: v.to(device) for k, v in random_token_batch(batch_size, 32, 1000, generator).items()}
-        for _ in "qd"
-    ]
+    batches = [random_token_batch(batch_size, 32, 1000, generator) for _ in "qd"]
+    batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
 
     def step() -> None:
         encoder.zero_grad(set_to_none=True)

@@ -26,35 +26,28 @@ def mine_hard_negatives(
     require(0 <= skip < top_k, f"need 0 ≤ skip < top_k, got skip={skip}, top_k={top_k}")
     if keys is not None and len(keys) != n:
         raise ValueError(f"{len(keys)} keys for {n} items")
-    if (
-        items.numel() == 0
-        or items.min() < 0
-        or items.max() >= n
-        or len(items.unique()) != len(items)
-    ):
-        raise ValueError(f"batches must hold distinct item indices in [0, {n})")
+    distinct = len(items.unique()) == len(items) > 0
+    valid = distinct and 0 <= items.min() <= items.max() < n
+    require(valid, f"batches must hold distinct item indices in [0, {n})")
     batch_of = torch.full((n,), -1, dtype=torch.long)
     batch_of[items] = torch.arange(len(items)) // batches.shape[-1]
-    ids = {}  # an integer per distinct key
-    key_of = (
-        torch.arange(n)
-        if keys is None
-        else torch.tensor([ids.setdefault(k, len(ids)) for k in list(keys)])
-    )
+    key_of = torch.arange(n)
+    if keys is not None:
+        ids = {}  # an integer per distinct key
+        key_of = torch.tensor([ids.setdefault(k, len(ids)) for k in list(keys)])
     draws, negatives = torch.rand(len(items), generator=generator), torch.empty_like(items)
     block = max(1, BLOCK_ELEMENTS // n)
     for start in range(0, len(items), block):
         rows = items[start : start + block]
         excluded = (batch_of[rows, None] == batch_of) | (key_of[rows, None] == key_of)
-        values, columns = (
-            (z1[rows] @ z2.T).masked_fill(excluded, -torch.inf).topk(min(top_k, n), dim=1)
-        )
+        scores = (z1[rows] @ z2.T).masked_fill(excluded, -torch.inf)
+        values, columns = scores.topk(min(top_k, n), dim=1)
         available = torch.isfinite(values[:, skip:]).sum(dim=1)
         if (available == 0).any():
             raise ValueError(
                 f"item {int(rows[available == 0][0])} has no candidate beyond rank {skip} once "
-                "its batch"
-                f" and duplicates are left out: too few items ({n}) for this batch size and top_k"
+                f"its batch and duplicates are left out: too few items ({n}) for this batch size "
+                "and top_k"
             )
         pick = skip + (draws[start : start + len(rows)] * available).long().clamp(max=available - 1)
         negatives[start : start + len(rows)] = columns.gather(1, pick[:, None]).squeeze(1)

@@ -33,9 +33,8 @@ class SelfAttentionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
-        q, k, v = (
-            self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        )
+        qkv = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
         logits = (q @ k.transpose(-1, -2)) / math.sqrt(dim // self.heads)  # [B, heads, L, L]
         weights = logits.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(dim=-1)
         mixed = (self.drop(weights) @ v).transpose(1, 2).reshape(batch, length, dim)

@@ -71,9 +71,7 @@ def plan(
     has (name -> (YAML value, text, flag)); a name no notebook has or a wrong type: ValueError."""
     unknown = [n for n in overrides if not any(n in values for values in notebooks.values())]
     if unknown:
-        valid = "\n".join(
-            f"  {path.stem}: {', '.join(values)}" for path, values in notebooks.items()
-        )
+        valid = "\n".join(f"  {p.stem}: {', '.join(names)}" for p, names in notebooks.items())
         raise ValueError(
             f"{' '.join(overrides[n][2] for n in unknown)}: no selected notebook has a parameter "
             f"named {', '.join(map(repr, unknown))}; nothing was run. Valid parameters:\n{valid}"

@@ -71,34 +71,26 @@ def record(rows: list[dict], name: str) -> Path | None:
 
 # A headline Δ (arm − random) of the paper on the metric's 0–1 scale (+1.0 % MRR is +0.010), for
 # data whose name holds `dataset` (a stand-in in that dataset's layout included; "": any data).
-PaperDelta = namedtuple("PaperDelta", "experiment arm metric deltas source dataset")
-
+PaperDelta = namedtuple("PaperDelta", "experiment arm metric deltas source dataset", defaults=("",))
 
 # Sachidananda, Yang & Zhu, "Global Selection of Contrastive Batches via Optimization on Sample
 # Permutations", ICML 2023: the one place the kit states the paper's numbers.
+CODESEARCH = ("codesearch", "gcbs", "test_mrr")  # experiment, arm, metric
 PAPER_DELTAS = (
-    PaperDelta("codesearch", "gcbs", "test_mrr", (0.010,), "CosQA, UniXcoder", "cosqa"),
-    PaperDelta("codesearch", "gcbs", "test_mrr", (0.020,), "AdvTest, UniXcoder", "advtest"),
-    PaperDelta("codesearch", "gcbs", "test_mrr", (0.022,), "CodeSearchNet, UniXcoder", "csn"),
+    PaperDelta(*CODESEARCH, (0.010,), "CosQA, UniXcoder", "cosqa"),
+    PaperDelta(*CODESEARCH, (0.020,), "AdvTest, UniXcoder", "advtest"),
+    PaperDelta(*CODESEARCH, (0.022,), "CodeSearchNet, UniXcoder", "csn"),
+    PaperDelta(*CODESEARCH, (0.010, 0.020, 0.022), "CosQA / AdvTest / CodeSearchNet, UniXcoder"),
     PaperDelta(
-        "codesearch",
-        "gcbs",
-        "test_mrr",
-        (0.010, 0.020, 0.022),
-        "CosQA / AdvTest / CodeSearchNet, UniXcoder",
-        "",
+        "simcse", "gcbs", "test_spearman", (0.0103,), "STS avg, unsupervised SimCSE BERT-base"
     ),
-    PaperDelta(
-        "simcse", "gcbs", "test_spearman", (0.0103,), "STS avg, unsupervised SimCSE BERT-base", ""
-    ),
-    PaperDelta("promcse", "gcbs", "test_spearman", (0.0027,), "STS avg, PromCSE", ""),
+    PaperDelta("promcse", "gcbs", "test_spearman", (0.0027,), "STS avg, PromCSE"),
     PaperDelta(
         "moco",
         "gcbs",
         "test_knn_accuracy",
         (),
         "no MoCo number in the paper; its code trains one with GCBS",
-        "",
     ),
 )
 
@@ -191,10 +183,9 @@ def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
         arms = groups.setdefault(
             (row["experiment"], row["model"], row["data"], row["profile"], row["metric"]), {}
         )
-        require(
-            row["seed"] not in arms.setdefault(row["arm"], {}), f"two rows for the same seed: {row}"
-        )
-        arms[row["arm"]][row["seed"]] = row["value"]
+        seeds = arms.setdefault(row["arm"], {})
+        require(row["seed"] not in seeds, f"two rows for the same seed: {row}")
+        seeds[row["seed"]] = row["value"]
     lines = []
     for (experiment, model, data, profile, metric), arms in groups.items():
         random, start = arms.get("random", {}), arms.get("start", {})
@@ -266,11 +257,8 @@ def to_csv(lines: list[TableLine]) -> str:
         names + summaries + ["delta", "low", "high", "paper_delta", "verdict", "commit"]
     )
     for line in lines:
-        stats = [
-            s and getattr(s, part)
-            for s in (line.start, line.random, line.kit)
-            for part in "mean sd n".split()
-        ]
+        arms = (line.start, line.random, line.kit)
+        stats = [s and getattr(s, part) for s in arms for part in Summary._fields]
         paper = deltas_text(line.paper.deltas) if line.paper else ""
         writer.writerow(
             [*line[:6], *stats, line.delta, line.low, line.high, paper, line.verdict, line.commit]

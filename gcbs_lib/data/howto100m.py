@@ -32,17 +32,13 @@ def _plain_captions(video_id: str, entry) -> dict[str, list]:
     if not isinstance(entry, Mapping) or not {"start", "end", "text"} <= set(entry):
         raise ValueError(f"captions of video {video_id!r} need the keys (columns) start,end,text")
     columns = [entry[key] for key in ("start", "end", "text")]
-    if any(
-        isinstance(column, (str, bytes)) or not isinstance(column, Iterable) for column in columns
-    ):
-        raise ValueError(
-            f"video {video_id!r}: start, end and text are each a list of one item per caption"
-        )
+    lists = all(isinstance(c, Iterable) and not isinstance(c, (str, bytes)) for c in columns)
+    require(
+        lists, f"video {video_id!r}: start, end and text are each a list of one item per caption"
+    )
     start, end, text = map(list, columns)
-    if not len(start) == len(end) == len(text):
-        raise ValueError(
-            f"video {video_id!r}: {len(start)} starts, {len(end)} ends and {len(text)} texts"
-        )
+    counts = f"{len(start)} starts, {len(end)} ends and {len(text)} texts"
+    require(len(start) == len(end) == len(text), f"video {video_id!r}: {counts}")
     start, end = [float(s) for s in start], [float(e) for e in end]
     if not all(math.isfinite(s) and math.isfinite(e) and s <= e for s, e in zip(start, end)):
         raise ValueError(f"video {video_id!r}: caption times must be finite with start <= end")
@@ -245,7 +241,5 @@ def save_arrays(arrays: Mapping[str, np.ndarray], folder: str | Path) -> Path:
 
 
 def open_arrays(folder: str | Path) -> dict[str, np.ndarray]:
-    return {
-        p.stem: np.load(p, mmap_mode="r", allow_pickle=False)
-        for p in sorted(Path(folder).glob("*.npy"))
-    }
+    paths = sorted(Path(folder).glob("*.npy"))
+    return {p.stem: np.load(p, mmap_mode="r", allow_pickle=False) for p in paths}

@@ -58,10 +58,8 @@ def read_idx(path: str | Path) -> np.ndarray:
     )
     require(len(raw) >= 4 + 4 * raw[3], f"{path}: a truncated header ({raw[3]} dimensions)")
     header, shape = 4 + 4 * raw[3], tuple(int(d) for d in np.frombuffer(raw, ">i4", raw[3], 4))
-    if len(raw) != header + int(np.prod(shape)):
-        raise ValueError(
-            f"{path}: {len(raw)} bytes, but the header {shape} needs {header + int(np.prod(shape))}"
-        )
+    size = header + int(np.prod(shape))
+    require(len(raw) == size, f"{path}: {len(raw)} bytes, but the header {shape} needs {size}")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 

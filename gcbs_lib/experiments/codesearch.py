@@ -122,10 +122,8 @@ class CodeSearch(Experiment):
         return rank_info_nce(*map(gather_with_grad, embeddings), scale)
 
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
-        return tuple(
-            model(to_device(inputs, self.device))
-            for inputs in self.collate(indices.tolist()).inputs
-        )
+        batch = self.collate(indices.tolist())
+        return tuple(model(to_device(inputs, self.device)) for inputs in batch.inputs)
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """MRR (0 beyond rank 1000), R@1 and R@10 of the split's queries against its whole pool."""

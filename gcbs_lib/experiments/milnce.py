@@ -183,9 +183,8 @@ class MilNce(Experiment):
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Text → video retrieval on the split's clips: R@1/5/10, median rank (ties pessimistic)."""
         data = self.eval_sets[split]
-        rows = np.array(
-            fixed_subset(len(data["clip_video"]), self.options.eval_clips, f"milnce-eval-{split}")
-        )
+        limit = self.options.eval_clips
+        rows = np.array(fixed_subset(len(data["clip_video"]), limit, f"milnce-eval-{split}"))
         chunks = np.array_split(rows, -(-len(rows) // 1024))  # embedded 1024 at a time
         features = (torch.from_numpy(features_of(self.store, data, c)) for c in chunks)
         captions = (self.tokenize([t.decode() for t in data["text"][c]]) for c in chunks)
@@ -221,10 +220,8 @@ def write_splits(o: MilNce.Options, root: Path, folder: Path) -> dict:
         text = bags["caption_text"][bags["anchor"]]
         if truth:
             text = [segment["text"].encode() for v in bags["video_ids"] for segment in truth[v]]
-        save_arrays(
-            {**{k: bags[k] for k in ("video_ids", "clip_video", "clip_window")}, "text": text},
-            folder / name,
-        )
+        arrays = {k: bags[k] for k in ("video_ids", "clip_video", "clip_window")}
+        save_arrays({**arrays, "text": text}, folder / name)
     return {"skipped": store.skipped}
 
 

@@ -101,7 +101,6 @@ class RandomViews(nn.Module):
         views = self.sample(len(x)) if views is None and self.training else views
         if views is None:
             return x
-        # bilinear, reflected at the borders
         grid = F.affine_grid(views[:, :2].to(x), list(x.shape), align_corners=False)
         x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
         if views.shape[1] == 2:
@@ -253,10 +252,8 @@ class MoCo(Experiment):
         self.train, self.train_labels = images[train], labels[train]
         test_images, test_labels = load(o.data, "test", root)
         test = fixed_subset(len(test_labels), o.eval_limit, "test-subset")
-        self.splits = {
-            "dev": (images[dev], labels[dev]),
-            "test": (test_images[test], test_labels[test]),
-        }
+        dev_set = (images[dev], labels[dev])
+        self.splits = {"dev": dev_set, "test": (test_images[test], test_labels[test])}
         self.views = RandomViews(images.shape[1])
         self.gcbs_views = [
             self.views.sample(len(train), generator(self.seed, 0, f"gcbs-view{v}")) for v in (1, 2)
