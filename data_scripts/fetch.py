@@ -86,15 +86,20 @@ def download(url: str, path: str | Path, sha256: str | None = None, timeout: flo
 
 
 def unpack(archive: str | Path, folder: str | Path) -> None:
-    """Extract a tar archive into `folder`, which appears only once all of it is there (an
-    interrupted run leaves `<folder>.part`, cleared by the next); members that would land outside
-    it are refused: tarfile's `data` filter where this Python has it (3.11.4+), else a refusal of
-    absolute names, `..` and links."""
+    """Extract a tar archive into `folder`, its entries moved there only once all of it is
+    extracted (an interrupted run leaves `<folder>.part`, cleared by the next); members that would
+    land outside it are refused: tarfile's `data` filter where this Python has it (3.11.4+), else a
+    refusal of absolute names, `..` and links."""
     folder = Path(folder)
     part = folder.with_name(folder.name + ".part")
     shutil.rmtree(part, ignore_errors=True)
     _extract(archive, part)
-    os.replace(part, folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in part.iterdir():  # each whole, over an earlier copy
+        if (folder / entry.name).is_dir():
+            shutil.rmtree(folder / entry.name)
+        os.replace(entry, folder / entry.name)
+    part.rmdir()
 
 
 def _extract(archive: str | Path, folder: Path) -> None:
