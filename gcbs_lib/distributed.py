@@ -4,6 +4,7 @@ gradient, so with each rank's share of the loss (`losses.rank_info_nce`) DDP's a
 full-batch gradient. `VirtualRanks` writes the collectives out in one process (real ranks:
 `gcbs_lib.launcher`)."""
 
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 from gcbs_lib.check import require
 from gcbs_lib.gradcache import batch_length, slice_batch
+
+MAX_DIMS = 8  # sizes in gather_with_grad's layout check
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -37,35 +40,47 @@ class _GatherWithGrad(torch.autograd.Function):
         return own
 
 
+def _everyone(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's `t` [n, ...] (one shape and dtype on every rank), stacked [W, n, ...]."""
+    out = t.new_empty((dist.get_world_size() * len(t), *t.shape[1:]))
+    dist.all_gather_single(out, t.contiguous())
+    return out.view(-1, *t.shape)
+
+
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """`[B, ...]` on each rank → `[W·B, ...]`, ranks in order; the backward sums the incoming
-    gradients over ranks and returns this rank's rows. Identity when not distributed; different
-    shapes or dtypes raise on every rank."""
+    gradients over ranks and returns this rank's rows. Identity when not distributed. Checking that
+    all ranks hold one shape (its first MAX_DIMS sizes) and dtype, else a ValueError on every rank,
+    costs an all-gather of MAX_DIMS + 2 int64 per rank on x's device and one host sync."""
     if rank_and_world_size()[1] == 1:
         return x
-    layouts = [None] * dist.get_world_size()
-    dist.all_gather_object(layouts, (tuple(x.shape), str(x.dtype)))
-    if len(set(layouts)) > 1:
+    padding = [-1] * (MAX_DIMS - x.dim())
+    code = zlib.crc32(str(x.dtype).encode())
+    layout = torch.tensor([code, x.dim(), *x.shape[:MAX_DIMS], *padding], device=x.device)
+    layouts = _everyone(layout)
+    if not torch.equal(layouts, layout.expand_as(layouts)):
         raise ValueError(
-            f"gather_with_grad: ranks hold different shapes or dtypes {layouts} (see gather_ragged)"
+            f"gather_with_grad: ranks hold different shapes or dtypes (here {tuple(x.shape)} "
+            f"{x.dtype}; per rank: dtype code, dims, sizes {layouts.tolist()}; see gather_ragged)"
         )
     return _GatherWithGrad.apply(x)
 
 
-def gather_ragged(rows: torch.Tensor) -> torch.Tensor:
+def gather_ragged(rows: torch.Tensor, main_only: bool = False) -> torch.Tensor | None:
     """`gather_with_grad` for ranks holding different numbers of rows (padded to the longest,
-    padding dropped)."""
-    if rank_and_world_size()[1] == 1:
+    padding dropped). main_only: to rank 0 alone (None elsewhere), without gradient, where it holds
+    W times the longest rank's rows, then their concatenation."""
+    rank, world_size = rank_and_world_size()
+    if world_size == 1:
         return rows
-    counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, rows.shape[0])
-    longest = max(counts)
-    keep = torch.cat(
-        [torch.arange(c, device=rows.device) + r * longest for r, c in enumerate(counts)]
-    )
-    return gather_with_grad(
-        torch.cat([rows, rows.new_zeros(longest - rows.shape[0], *rows.shape[1:])])
-    )[keep]
+    counts = _everyone(torch.tensor([len(rows)], device=rows.device)).view(-1).tolist()
+    padded = torch.cat([rows, rows.new_zeros(max(counts) - len(rows), *rows.shape[1:])])
+    parts = [torch.empty_like(padded) for _ in counts] if main_only and rank == 0 else None
+    if main_only:
+        dist.gather(padded.detach(), parts, dst=0)
+    else:
+        parts = gather_with_grad(padded).split(len(padded))
+    return None if parts is None else torch.cat([p[:c] for p, c in zip(parts, counts)])
 
 
 def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:

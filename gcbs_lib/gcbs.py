@@ -58,12 +58,16 @@ def _check_batch_size(batch_size: int, n: int) -> None:
     )
 
 
+def _block_elements(device: torch.device) -> int:
+    """Similarities held at once on `device`."""
+    return DEVICE_BLOCK_ELEMENTS if device.type == "cuda" else BLOCK_ELEMENTS
+
+
 def _blocks(u1: torch.Tensor, u2: torch.Tensor, keep_diagonal: bool = False, multiple: int = 1):
     """(first row, S[rows]) for consecutive blocks of S of a `multiple` of rows (bar the last),
     float32 on the embeddings' device, the diagonal −inf unless kept."""
     n = len(u1)
-    elements = DEVICE_BLOCK_ELEMENTS if u1.is_cuda else BLOCK_ELEMENTS
-    rows = max(multiple, elements // n // multiple * multiple)
+    rows = max(multiple, _block_elements(u1.device) // n // multiple * multiple)
     for start in range(0, n, rows):
         block = u1[start : start + rows] @ u2.T
         if not keep_diagonal:
@@ -297,10 +301,10 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     permutation = order.shape == (n,) and torch.equal(order.sort().values, items)
     require(permutation, f"order must be a permutation of range({n})")
     batch_of = order.argsort() // batch_size  # item i stands at place argsort[i] of the order
-    total, rows = 0.0, max(1, BLOCK_ELEMENTS // n)
-    for start in range(0, n, rows):
+    total, rows = u1.new_zeros(()), max(1, _block_elements(u1.device) // n)
+    for start in range(0, n, rows):  # summed on the device: one host sync
         logits = u1[start : start + rows] @ u2.T / temperature
         outside = batch_of[start : start + rows, None] != batch_of[None, :]
         inside = logits.masked_fill(outside, -math.inf).logsumexp(1)
-        total += (logits.logsumexp(1) - inside).sum().item()
-    return total / n
+        total += (logits.logsumexp(1) - inside).sum()
+    return total.item() / n

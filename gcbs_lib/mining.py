@@ -4,15 +4,13 @@ not its match.
 Item i's candidates are the documents j ranked by S_ij = <ẑ1_i, ẑ2_j>, leaving out i's own batch
 (in-batch negatives already, i itself included) and every item sharing i's duplicate key (a false
 negative). The top ranks are still often unlabelled matches, so the negative is drawn uniformly from
-ranks skip … top_k−1 (0-based) with `generator`. S is computed a block of rows at a time, never
-whole."""
+ranks skip … top_k−1 (0-based) with `generator` (on the CPU). S is computed on the embeddings'
+device a block of rows at a time, never whole."""
 
 import torch
 
 from gcbs_lib.check import require
-from gcbs_lib.gcbs import unit_rows
-
-BLOCK_ELEMENTS = 2**22  # scores held at once
+from gcbs_lib.gcbs import _block_elements, unit_rows
 
 
 def mine_hard_negatives(
@@ -20,7 +18,7 @@ def mine_hard_negatives(
 ) -> torch.Tensor:
     """A LongTensor shaped like `batches` [steps, B] (distinct item indices): entry [s, j] is the
     document mined for item batches[s, j]. keys: optional duplicate keys, one per item."""
-    z1, z2 = unit_rows(z1.cpu(), z2.cpu())  # checked: non-empty [N, d] of one shape, finite
+    z1, z2 = unit_rows(z1, z2)  # checked: non-empty [N, d] of one shape, finite
     n, batches = len(z1), torch.as_tensor(batches, dtype=torch.long)
     items = batches.reshape(-1)
     require(0 <= skip < top_k, f"need 0 ≤ skip < top_k, got skip={skip}, top_k={top_k}")
@@ -36,9 +34,10 @@ def mine_hard_negatives(
         ids = {}  # an integer per distinct key
         key_of = torch.tensor([ids.setdefault(k, len(ids)) for k in list(keys)])
     draws, negatives = torch.rand(len(items), generator=generator), torch.empty_like(items)
-    block = max(1, BLOCK_ELEMENTS // n)
+    batch_of, key_of, draws = (t.to(z1.device) for t in (batch_of, key_of, draws))
+    block = max(1, _block_elements(z1.device) // n)
     for start in range(0, len(items), block):
-        rows = items[start : start + block]
+        rows = items[start : start + block].to(z1.device)
         excluded = (batch_of[rows, None] == batch_of) | (key_of[rows, None] == key_of)
         scores = (z1[rows] @ z2.T).masked_fill(excluded, -torch.inf)
         values, columns = scores.topk(min(top_k, n), dim=1)
@@ -50,5 +49,5 @@ def mine_hard_negatives(
                 "and top_k"
             )
         pick = skip + (draws[start : start + len(rows)] * available).long().clamp(max=available - 1)
-        negatives[start : start + len(rows)] = columns.gather(1, pick[:, None]).squeeze(1)
+        negatives[start : start + len(rows)] = columns.gather(1, pick[:, None]).squeeze(1).cpu()
     return negatives.view_as(batches)

@@ -72,6 +72,8 @@ class TrainConfig:
     mine_skip: int = 3  # mining: top ranks skipped as likely false negatives
     embed_batch_size: int = 256
     log_loss_gap: bool = True  # log the loss gap of each epoch's planned batches
+    # each epoch plans (embeds, orders, mines) and trains on this many items, drawn afresh
+    plan_sample: int | None = None
     # dev evaluation every N steps (0: at each epoch end only)
     eval_every: int = 0
     checkpoint_every: int = 100
@@ -84,7 +86,7 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr"
-        positive = [*positive.split(), "clip_norm", "scale", "max_scale"]
+        positive = [*positive.split(), "clip_norm", "scale", "max_scale", "plan_sample"]
         wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
 
@@ -271,7 +273,7 @@ class Trainer:
             config.options, seed=config.seed, device=self.device
         )
         self.train_set = self.experiment.load_data()
-        n = self.train_set.size
+        n = min(self.train_set.size, config.plan_sample or self.train_set.size)  # items an epoch
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
@@ -282,7 +284,7 @@ class Trainer:
         )
         require(
             self.total_steps > 0,
-            f"batch_size {config.batch_size} must be ≤ {n}, the training set's size",
+            f"batch_size {config.batch_size} must be ≤ {n}, the items of an epoch",
         )
         if config.sampler == "hard_negatives" and not self.experiment.supports_mining:
             raise ValueError(f"experiment {config.experiment!r} does not take mined negatives")
@@ -368,50 +370,56 @@ class Trainer:
         self.run.log({**where, **scores})
 
     def _plan_epoch(self) -> dict:
-        """Each rank embeds its share of the training set; rank 0 plans the epoch's batches on the
-        device and logs their cost and loss gap; every rank receives the plan."""
+        """Each rank embeds its share of the epoch's items (all, or `plan_sample` drawn at random);
+        rank 0 alone gathers them, plans, logs cost and loss gap; every rank gets the plan."""
         config = self.config
         start = time.perf_counter()
+        items = torch.arange(self.train_set.size)
+        if config.plan_sample is not None and config.plan_sample < len(items):
+            draw = seeding.generator(config.seed, self.epoch, "plan-sample")
+            items = torch.randperm(len(items), generator=draw)[: config.plan_sample].sort().values
         z1 = z2 = None
         if config.sampler != "random" or config.log_loss_gap:  # one embedding serves both
-            share = torch.arange(self.train_set.size).tensor_split(self.world_size)[self.rank]
+            share = items.tensor_split(self.world_size)[self.rank]
             embed = partial(self._in_eval_mode, self.experiment.pair_embeddings)
-            pairs = [embed(items) for items in share.split(config.embed_batch_size)]
-            z1 = distributed.gather_ragged(torch.cat([pair[0].float() for pair in pairs]))
-            z2 = distributed.gather_ragged(torch.cat([pair[1].float() for pair in pairs]))
+            pairs = [embed(part) for part in share.split(config.embed_batch_size)]
+            z1 = distributed.gather_ragged(torch.cat([pair[0].float() for pair in pairs]), True)
+            z2 = distributed.gather_ragged(torch.cat([pair[1].float() for pair in pairs]), True)
         embedded = time.perf_counter()
         plan = [None]
         if self.main:
-            plan = [self._sample(z1, z2)]
+            positions = self._sample(z1, z2, items)  # rows of z1, z2
+            plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
             record.update(embed_seconds=embedded - start, sampler_seconds=sampled - embedded)
             if config.log_loss_gap:
-                items = plan[0]["batches"].reshape(-1)
+                rows = positions["batches"].reshape(-1)
                 tau = 1 / self._scale()
                 record["loss_gap"] = gcbs.loss_gap(
-                    z1[items], z2[items], torch.arange(len(items)), config.batch_size, tau
+                    z1[rows], z2[rows], torch.arange(len(rows)), config.batch_size, tau
                 )
             self.run.log(record)
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
         return plan[0]
 
-    def _sample(self, z1: torch.Tensor | None, z2: torch.Tensor | None) -> dict:
-        """The epoch's batches and any mined negatives: the published GCBS order or a seeded random
-        one, read sequentially into batches alike (duplicate keys apart, the short last dropped)."""
+    def _sample(self, z1, z2, items: torch.Tensor) -> dict:
+        """Batches of `items` (z1, z2: theirs, or None) and any mined negatives, as positions in
+        `items`: the published GCBS order or a seeded random one, read into batches alike."""
         config = self.config
-        epoch = self.epoch
         keys = self.train_set.duplicate_keys
+        if keys is not None and len(items) < self.train_set.size:  # a sampled epoch
+            keys = [keys[i] for i in items.tolist()]
         if config.sampler == "gcbs":
             order = gcbs.published_permutation(z1, z2, config.gcbs_quantile)
         else:
-            shuffle = seeding.generator(config.seed, epoch, "shuffle")
-            order = torch.randperm(self.train_set.size, generator=shuffle)
+            shuffle = seeding.generator(config.seed, self.epoch, "shuffle")
+            order = torch.randperm(len(items), generator=shuffle)
         batches = gcbs.consecutive_batches(order, config.batch_size, keys)
         if config.sampler != "hard_negatives":
             return {"batches": batches, "negatives": None}
-        rng = seeding.generator(config.seed, epoch, "mining")
+        rng = seeding.generator(config.seed, self.epoch, "mining")
         top = dict(top_k=config.mine_top_k, skip=config.mine_skip)
         negatives = mining.mine_hard_negatives(z1, z2, batches, keys=keys, generator=rng, **top)
         return {"batches": batches, "negatives": negatives}

@@ -75,6 +75,13 @@ def raised_on(function, *args) -> int:
     return int(count)
 
 
+def held_by_rank(held: torch.Tensor | None) -> list:
+    """What every rank holds (a list, or None), from rank 0's gather of them."""
+    everyone = [None] * rank_and_world_size()[1]
+    torch.distributed.all_gather_object(everyone, None if held is None else held.tolist())
+    return everyone
+
+
 def collective_checks(rows: int = 3, dim: int = 4) -> dict:
     """On every rank: `gather_with_grad` against the concatenation and a reduce-scatter written out,
     mismatched shapes and dtypes, `gather_ragged` of rank r's r + 1 rows, `all_reduce_gradients` of
@@ -108,6 +115,9 @@ def collective_checks(rows: int = 3, dim: int = 4) -> dict:
             gather_with_grad, torch.zeros(rows, dtype=torch.float32 if rank else torch.float64)
         ),
         "ragged": gather_ragged(torch.full((rank + 1, 2), float(rank))).tolist(),
+        "to_main": held_by_rank(
+            gather_ragged(torch.full((rank + 1, 2), float(rank)), main_only=True)
+        ),
         "averaged": averaged,
         "unsynced_difference": rank_difference([torch.full((2,), float(rank))]),
     }
@@ -204,6 +214,12 @@ def test_gather_ragged_concatenates_ranks_holding_different_row_counts(job):
     assert job["collectives"]["ragged"] == [
         [float(r)] * 2 for r in range(job["world_size"]) for _ in range(r + 1)
     ]
+
+
+def test_gather_ragged_to_main_only_gives_rank_0_alone_every_ranks_rows(job):
+    assert job["collectives"]["to_main"] == [job["collectives"]["ragged"]] + [None] * (
+        job["world_size"] - 1
+    )
 
 
 def test_all_reduce_gradients_averages_and_the_sync_check_sees_ranks_that_disagree(job):

@@ -364,6 +364,29 @@ def test_loss_gap_of_planned_batches_is_the_gap_over_their_items(monkeypatch):
     )
 
 
+def test_loss_gap_sums_its_blocks_on_the_device_to_the_float64_sum_of_the_blocks(monkeypatch):
+    """Bitwise the sum, in Python floats, of each block's float64 sum (the value before the sum
+    moved onto the device), in one block and in blocks of 7 rows."""
+    z1, z2 = pairs(210, 8, clusters=6)
+    order = torch.randperm(210, generator=torch.Generator().manual_seed(1))
+    u1, u2 = (F.normalize(z.double(), dim=1) for z in (z1, z2))
+    batch_of = order.argsort() // 20
+    for elements in (gcbs.BLOCK_ELEMENTS, 7 * 210):
+        monkeypatch.setattr(gcbs, "BLOCK_ELEMENTS", elements)
+        total = 0.0
+        for start in range(0, 210, elements // 210):
+            logits = u1[start : start + elements // 210] @ u2.T / TAU
+            outside = batch_of[start : start + elements // 210, None] != batch_of[None, :]
+            inside = logits.masked_fill(outside, -torch.inf).logsumexp(1)
+            total += (logits.logsumexp(1) - inside).sum().item()
+        assert loss_gap(z1, z2, order, 20, TAU) == total / 210
+
+
+def test_blocks_of_similarities_are_sized_for_the_device_they_are_computed_on():
+    assert gcbs._block_elements(torch.device("cpu")) == gcbs.BLOCK_ELEMENTS == 2**22
+    assert gcbs._block_elements(torch.device("cuda", 1)) == gcbs.DEVICE_BLOCK_ELEMENTS == 2**27
+
+
 # -------------------------------------------------------------------------------- bad inputs
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gcbs_lib.mining as mining
+import gcbs_lib.gcbs as gcbs
 from gcbs_lib.mining import mine_hard_negatives
 from gcbs_lib.seeding import generator
 
@@ -52,7 +52,7 @@ def test_each_negative_is_drawn_from_ranks_skip_to_top_k_of_the_allowed_document
 def test_the_draw_is_seeded_and_the_same_in_blocks_of_one_row(pairs, monkeypatch):
     z1, z2, batches, keys = pairs
     first = mine_hard_negatives(z1, z2, batches, keys=keys, generator=generator(0, 1, "mining"))
-    monkeypatch.setattr(mining, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(gcbs, "BLOCK_ELEMENTS", 1)
     assert torch.equal(
         mine_hard_negatives(z1, z2, batches, keys=keys, generator=generator(0, 1, "mining")), first
     )

@@ -21,12 +21,14 @@ import torch.distributed as dist
 import yaml
 
 import gcbs_lib.train
+from gcbs_lib import distributed
 from gcbs_lib.data import write_atomic
 from gcbs_lib.experiments.codesearch import CodeSearch
 from gcbs_lib.gcbs import consecutive_batches, published_permutation
 from gcbs_lib.launcher import LaunchError, launch
 from gcbs_lib.seeding import generator
 from gcbs_lib.train import (
+    TrainConfig,
     Trainer,
     TrainingDiverged,
     launched,
@@ -319,7 +321,7 @@ def test_every_arm_reads_its_order_into_batches_alike(tmp_path, data_root, sampl
     keys = [i % (n // 2) for i in range(n)]  # every item has one duplicate
     trainer.train_set = trainer.train_set._replace(duplicate_keys=keys)
     z1, z2 = torch.randn(2, n, 8, generator=torch.Generator().manual_seed(0))
-    plan = trainer._sample(z1, z2)
+    plan = trainer._sample(z1, z2, torch.arange(n))
     # gcbs: the published order, read sequentially (not shuffled); the others: the run's shuffle
     order = torch.randperm(n, generator=generator(trainer.config.seed, 0, "shuffle"))
     if sampler == "gcbs":
@@ -328,6 +330,77 @@ def test_every_arm_reads_its_order_into_batches_alike(tmp_path, data_root, sampl
     assert plan["batches"].shape == (n // b, b)  # the short last batch dropped
     assert all(len({keys[i] for i in batch}) == b for batch in plan["batches"].tolist())
     assert (plan["negatives"] is not None) == (sampler == "hard_negatives")
+
+
+@pytest.mark.parametrize("sampler", ["random", "gcbs", "hard_negatives"])
+def test_a_plan_sample_bounds_what_each_epoch_embeds_plans_trains_on_and_measures(
+    tmp_path, data_root, monkeypatch, sampler
+):
+    config = load_config("codesearch", "ci", settings(data_root, sampler=sampler, plan_sample=32))
+    trainer = Trainer(config, tmp_path)
+    n = trainer.train_set.size
+    embedded, measured = [], []
+    embed = trainer.experiment.pair_embeddings
+    gap = gcbs_lib.gcbs.loss_gap
+
+    def embedding(model, items):
+        embedded.extend(items.tolist())
+        return embed(model, items)
+
+    def measuring(z1, *args):
+        measured.append(len(z1))
+        return gap(z1, *args)
+
+    monkeypatch.setattr(trainer.experiment, "pair_embeddings", embedding)
+    monkeypatch.setattr(gcbs_lib.gcbs, "loss_gap", measuring)
+    assert n > 64 and trainer.steps_per_epoch == 2
+    for epoch in (0, 1):  # a fresh sample each epoch
+        trainer.epoch = epoch
+        embedded.clear()
+        plan = trainer._plan_epoch()
+        draw = generator(config.seed, epoch, "plan-sample")
+        sample = sorted(torch.randperm(n, generator=draw)[:32].tolist())
+        assert embedded == sample and sorted(plan["batches"].flatten().tolist()) == sample
+        if sampler == "hard_negatives":
+            assert set(plan["negatives"].flatten().tolist()) <= set(sample)
+    assert measured == [32, 32]
+    assert [r["epoch"] for r in records(tmp_path, "epoch") if "loss_gap" in r] == [0, 1]
+
+
+def plan_on_a_rank(config: dict, output_dir: str) -> dict:
+    """This rank's plan of the first epoch, and the shapes of the embeddings each rank gathered."""
+    held = []
+    gather = distributed.gather_ragged
+
+    def recording(rows, main_only=False):
+        gathered = gather(rows, main_only)
+        held.append(None if gathered is None else tuple(gathered.shape))
+        return gathered
+
+    distributed.gather_ragged = recording  # in this launched process only
+    options = CodeSearch.Options(**config["options"])
+    plan = Trainer(TrainConfig(**{**config, "options": options}), output_dir)._plan_epoch()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, held)
+    return {"held": everyone, "batches": plan["batches"].tolist()}
+
+
+def test_rank_0_alone_gathers_a_sampled_epoch_and_plans_what_one_process_plans(tmp_path, data_root):
+    overrides = dict(sampler="gcbs", plan_sample=48, dropout=0.0, dtype="float64")
+    config = load_config("codesearch", "ci", settings(data_root, **overrides))
+    one = Trainer(config, tmp_path)._plan_epoch()
+    (tmp_path / "two").mkdir()
+    two = launch(
+        f"{__name__}:plan_on_a_rank",
+        nproc=2,
+        backend="gloo",
+        echo=False,
+        timeout=120,
+        args={"config": asdict(config), "output_dir": str(tmp_path / "two")},
+    )
+    width = config.options.tiny_dim
+    assert two["held"] == [[(48, width)] * 2, [None, None]]
+    assert two["batches"] == one["batches"].tolist()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
