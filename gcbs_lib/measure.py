@@ -67,14 +67,20 @@ def memory_rise(run, method: str) -> int:
     return max(peak, resident()) - before
 
 
-def fresh_process_bytes(step: str, setting: dict, timeout: float = 600) -> int:
-    """The memory rise of `STEPS[step](**setting)`, measured in a fresh Python process (`python -m
-    gcbs_lib.measure STEP JSON`) after a small warm-up step; a failed probe raises naming both."""
-    command = [sys.executable, "-m", "gcbs_lib.measure", step, json.dumps(setting)]
+def fresh_process_bytes(arguments: list[str], what, timeout: float = 600) -> int:
+    """The last integer a fresh `python <arguments>` prints; a failed probe raises naming `what`."""
+    command = [sys.executable, *arguments]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if result.returncode:
-        raise RuntimeError(f"memory probe failed for {step} {setting}:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"memory probe failed for {what}:\n{result.stderr[-3000:]}")
     return int(result.stdout.split()[-1])
+
+
+def step_bytes(step: str, setting: dict) -> int:
+    """The memory rise of `STEPS[step](**setting)` in a fresh process (`python -m gcbs_lib.measure
+    STEP SETTING`), after a small warm-up step."""
+    arguments = ["-m", "gcbs_lib.measure", step, json.dumps(setting)]
+    return fresh_process_bytes(arguments, f"{step} {setting}")
 
 
 def contrastive_step(method: str, batch_size: int, chunk_size: int = 16, device: str = "cpu"):

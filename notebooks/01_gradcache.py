@@ -59,7 +59,7 @@ from gcbs_lib.gradcache import (
     slice_batch,
 )
 from gcbs_lib.losses import LogitScale, info_nce
-from gcbs_lib.measure import contrastive_step, fresh_process_bytes, memory_method, memory_rise
+from gcbs_lib.measure import contrastive_step, memory_method, memory_rise, step_bytes
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 from gcbs_lib.results import record, result_row
 
@@ -429,7 +429,7 @@ def step_memory(method, batch_size):
     if device.startswith("cuda"):
         return memory_rise(contrastive_step(method, batch_size, memory_chunk_size, device), "cuda")
     setting = {"method": method, "batch_size": batch_size, "chunk_size": memory_chunk_size}
-    return fresh_process_bytes("contrastive", setting)
+    return step_bytes("contrastive", setting)
 
 
 print("memory measured by:", memory_method(device))

@@ -91,7 +91,7 @@ from gcbs_lib.data.howto100m import (
 from gcbs_lib.experiments.milnce import MilNce, gradient_check
 from gcbs_lib.launcher import launch
 from gcbs_lib.losses import mil_nce
-from gcbs_lib.measure import fresh_process_bytes
+from gcbs_lib.measure import step_bytes
 from gcbs_lib.metrics import median_rank, ranks, recall_at
 from gcbs_lib.results import record, result_row
 from gcbs_lib.train import TrainingDiverged, load_config, train
@@ -316,7 +316,7 @@ settings = [
     for b in memory_clips
     for c in (None, memory_chunk_size)
 ]
-peaks = np.array([fresh_process_bytes("mil_nce", s) for s in settings]).reshape(-1, 2) / 2**20
+peaks = np.array([step_bytes("mil_nce", s) for s in settings]).reshape(-1, 2) / 2**20
 captions_n = [b * memory_bag_size for b in memory_clips]
 
 # %% tags=["figure:memory-vs-captions"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gcbs_lib import measure
-from gcbs_lib.measure import fresh_process_bytes, memory_method, memory_rise
+from gcbs_lib.measure import memory_method, memory_rise, step_bytes
 
 MiB = 2**20
 
@@ -34,7 +34,7 @@ def probe(method, batch_size):
     """The memory rise of one `contrastive_step`, measured in a fresh process as notebook 01 does on
     CPU."""
     setting = {"method": method, "batch_size": batch_size, "chunk_size": 16}
-    return fresh_process_bytes("contrastive", setting) / MiB
+    return step_bytes("contrastive", setting) / MiB
 
 
 def test_plain_memory_grows_with_the_batch_and_gradcache_stays_small():
