@@ -9,13 +9,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_check_runs_its_cheap_checks_on_the_cpu():
-    checks = ["dropout", "bf16", "gcbs", "nccl"]
+    checks = ["dropout", "bf16", "gcbs", "precision", "nccl", "ddp"]
     done = subprocess.run(
         [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick", "--only", *checks],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
@@ -27,6 +27,9 @@ def test_the_gpu_check_runs_its_cheap_checks_on_the_cpu():
         "bf16",
         "GCBS",  # the permutation on the device equals the CPU's
         "GCBS",  # its time against one matmul pass
+        "trainer,",  # bf16
+        "trainer,",  # fp16 with its gradient scaler
         "gloo,",  # the nccl check's stand-in on a CPU
+        "gloo,",  # notebook 07's gradient check on 2 ranks
     ]
     assert all(line.split(" | ")[1] in ("pass", "info") for line in table[1:])

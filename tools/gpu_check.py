@@ -10,8 +10,10 @@ matmul; precision: trainer steps (GradCache chunks) under the `precision` settin
 and fp16 autocast with its GradScaler, against the same steps in fp32; resume: a training run
 killed after a checkpoint and rerun ends with the uninterrupted run's model; minilm: notebook 04's
 recipe (UniXcoder lengths, batch 64) with the packaged MiniLM on the stand-in; nccl: an all_reduce
-on one rank (gloo on the CPU). Result "note": not bitwise, within what nondeterministic device
-kernels explain; "info": reported, not judged.
+on one rank (gloo on the CPU); ddp: notebook 07's gradient check (DDP heads through GradCache, the
+loss over embeddings gathered from every rank) on 2 ranks of the device's backend (NCCL needs 2
+GPUs; on one it runs 1 rank), against one process. Result "note": not bitwise, within what
+nondeterministic device kernels explain; "info": reported, not judged.
 """
 
 import argparse
@@ -30,6 +32,7 @@ import torch
 
 from gcbs_lib import experiments, gcbs, seeding
 from gcbs_lib.check import compare, relative_error, tolerance
+from gcbs_lib.experiments.milnce import gradient_check
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.launcher import launch
 from gcbs_lib.losses import info_nce
@@ -40,7 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from bench_gcbs import embedded_pairs, floor_pass  # noqa: E402  (bench/ is not a package: GCBS's data and floor)
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("dropout", "bf16", "gcbs", "precision", "resume", "minilm", "nccl")
+# planted MIL-NCE data and heads small enough for seconds (float64)
+MILNCE_TINY = {
+    "planted_videos": 5,
+    "planted_sigma": 3.0,
+    "bag_size": 3,
+    "embed_dim": 8,
+    "word_dim": 8,
+    "hidden_dim": 8,
+    "vocab_size": 64,
+    "eval_fraction": 0.2,
+}
+CHECKS = ("dropout", "bf16", "gcbs", "precision", "resume", "minilm", "nccl", "ddp")
 
 
 def replay_gradients(device: str, dtype: torch.dtype, autocast: bool = False) -> tuple[list, list]:
@@ -351,6 +365,26 @@ def check_nccl(args) -> list:
             "pass" if total == 4.0 else "FAIL",
             f"sum of all_reduce(ones(4)) = {total:g}",
             "4",
+        )
+    ]
+
+
+def check_ddp(args) -> list:
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    ranks = 2 if args.device == "cpu" or torch.cuda.device_count() > 1 else 1
+    with tempfile.TemporaryDirectory() as folder:
+        options = {**MILNCE_TINY, "data_dir": folder}
+        single = gradient_check(options, batch_size=16, device=args.device)
+        check = {"options": options, "batch_size": 16, "chunk_size": 3}
+        ranked = launch(gradient_check, nproc=ranks, backend=backend, args=check, echo=False)
+    error = relative_error(torch.tensor(ranked["grad"]), torch.tensor(single["grad"]))
+    within = error <= 1e-12 and ranked["rank_difference"] == 0.0
+    return [
+        (
+            f"{backend}, {ranks} rank(s): notebook 07's DDP gradient check = 1 process",
+            "pass" if within else "FAIL",
+            f"rel. err {error:.1e}, rank difference {ranked['rank_difference']:g}",
+            "≤ 1e-12, 0",
         )
     ]
 
