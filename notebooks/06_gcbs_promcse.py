@@ -221,7 +221,6 @@ assert "backbone.prompt" in moved and moved == sorted(
     n for n, p in model.named_parameters() if p.requires_grad
 )
 assert gradcache_exact and all(p.grad is None for p in model.backbone.backbone.parameters())
-assert gcbs_gap_smaller
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -233,4 +232,5 @@ print(
     f"GradCache gradient of batch {config.batch_size} (chunks of {chunk}) within tolerance: "
     f"{gradcache_exact}"
 )
+# measured, not asserted: at the ci profile's size a smoke test, not a claim about GCBS
 print(f"GCBS epoch-0 loss gap <= random's on every seed: {gcbs_gap_smaller}")
