@@ -163,15 +163,14 @@ def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -
 
 def _chunk_quantiles(chunks: torch.Tensor, quantile: float) -> torch.Tensor:
     """torch.quantile(row, quantile) of each row of `chunks`, bitwise: torch's float32 rank, the
-    order statistics at its floor and ceiling (found by selection on the CPU), torch's lerp."""
-    rank = torch.tensor(quantile, dtype=torch.float32) * (chunks.shape[1] - 1)
+    order statistics at its floor and ceiling (the last of the m − floor largest, by topk), lerp."""
+    m = chunks.shape[1]
+    rank = torch.tensor(quantile, dtype=torch.float32) * (m - 1)
     low = int(rank)
-    if chunks.is_cuda:
-        part = chunks.sort(dim=1).values
-    else:
-        part = torch.from_numpy(np.partition(chunks.numpy(), low, axis=1))
-    weight = (rank - low).to(chunks.device).expand(len(part))
-    return part[:, low].lerp(part[:, int(rank.ceil()) :].amin(1), weight)
+    high = int(rank.ceil())
+    top = chunks.topk(m - low, dim=1).values  # column j: the order statistic m − 1 − j
+    weight = (rank - low).to(chunks.device).expand(len(top))
+    return top[:, m - 1 - low].lerp(top[:, m - 1 - high], weight)
 
 
 def published_permutation(z1, z2, quantile: float = 0.999) -> torch.Tensor:
