@@ -29,7 +29,9 @@ SHA256 = {name: None for name in FILES.values()}  # unknown here: see the docstr
 def fetch(key: str, root: Path) -> Path:
     name = FILES[key]
     path = download(BASE + name, root / "sts" / name, SHA256[name])
-    if key == "senteval" and not (root / "sts" / "SentEval").is_dir():
+    folder = root / "sts" / "SentEval"
+    unpacked = folder.is_dir() and not folder.with_name("SentEval.part").exists()
+    if key == "senteval" and not unpacked:  # a leftover .part: an unpack stopped midway
         unpack(path, root / "sts" / "SentEval")
         return root / "sts" / "SentEval"
     return path

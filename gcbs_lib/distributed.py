@@ -29,9 +29,7 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        gathered = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(gathered, x.contiguous())
-        return gathered
+        return _everyone(x).flatten(0, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -300,7 +300,8 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     permutation = order.shape == (n,) and torch.equal(order.sort().values, items)
     require(permutation, f"order must be a permutation of range({n})")
     batch_of = order.argsort() // batch_size  # item i stands at place argsort[i] of the order
-    total, rows = u1.new_zeros(()), max(1, _block_elements(u1.device) // n)
+    total = u1.new_zeros(())
+    rows = max(1, _block_elements(u1.device) // n)
     for start in range(0, n, rows):  # summed on the device: one host sync
         logits = u1[start : start + rows] @ u2.T / temperature
         outside = batch_of[start : start + rows, None] != batch_of[None, :]

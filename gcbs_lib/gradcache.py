@@ -122,8 +122,8 @@ def cached_loss(
         )
         with torch.set_grad_enabled(chunk.kept is not None):
             z = _checked(chunk.encoder(chunk.inputs), chunk)
-        if chunk.kept is not None:
-            chunk.kept = z
+        if chunk.kept is not None:  # a frozen encoder's chunk has no graph to keep
+            chunk.kept = z if z.requires_grad else None
         cached.append(z.detach())
     embeddings = [
         joined([z for z, c in zip(cached, chunks) if c.branch == b]) for b in range(len(batches))

@@ -19,6 +19,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gcbs_lib.check import require
 
+COLLECTIVE_TIMEOUT = 3 * 3600  # seconds a rank may wait in a collective (rank 0 planning, dev)
+
 
 class LaunchError(RuntimeError):
     """A launched job failed: `rank` failed first; the message holds its traceback."""
@@ -34,16 +36,15 @@ def launch(
     nproc: int = 2,
     backend: str = "gloo",
     args: dict | None = None,
-    timeout: float | None = None,
+    timeout: float = COLLECTIVE_TIMEOUT,
     echo: bool = True,
 ):
     """`target(**args)` on `nproc` local ranks started by torch.distributed's `elastic_launch`
     (torchrun's engine), each in a process group of `backend` ("gloo"; "nccl": one GPU per rank):
     rank 0's return value. `target`: a module-level function or "module:function" that child
     processes can import (put a notebook's in gcbs_lib). `timeout`: seconds a rank may wait in a
-    collective (None: torch's default, 30 minutes, so a hung rank fails the job rather than holding
-    the node); `echo`: print the ranks' output live. A rank that raises stops the
-    job: LaunchError names it, with its traceback."""
+    collective, so that a hung rank fails the job rather than holding the node; `echo`: print the
+    ranks' output live. A failing rank stops the job: LaunchError names it, with its traceback."""
     if isinstance(target, str):
         module, _, name = target.partition(":")
         require(name, f"target must look like 'module:function', got {target!r}")
@@ -86,14 +87,13 @@ def launch(
                     signal.signal(number, signal.SIG_DFL if handler is None else handler)
 
 
-def _run_rank(target: Callable, args: dict, backend: str, timeout: float | None):
+def _run_rank(target: Callable, args: dict, backend: str, timeout: float):
     """One rank of a `launch`: join the process group, call the target, leave the group together."""
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default: one thread per rank
         torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    limit = timedelta(seconds=timeout) if timeout else dist.default_pg_timeout
-    dist.init_process_group(backend, timeout=limit)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     # a rank that raises exits holding its group, so its error file is written first
     result = target(**args)
     # free DDP reducers (held in reference cycles) while their process group still exists

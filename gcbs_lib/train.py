@@ -28,6 +28,7 @@ from transformers import get_scheduler
 from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, results, seeding
 from gcbs_lib.check import as_type, require
 from gcbs_lib.data import write_atomic
+from gcbs_lib.launcher import COLLECTIVE_TIMEOUT
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # where a run is, beside its tensors
@@ -388,7 +389,10 @@ class Trainer:
         embedded = time.perf_counter()
         plan = [None]
         if self.main:
+            precision = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("highest")  # S in full float32, as published
             positions = self._sample(z1, z2, items)  # rows of z1, z2
+            torch.set_float32_matmul_precision(precision)
             plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
@@ -581,7 +585,8 @@ def main(argv: list[str] | None = None) -> None:
         require(arguments.output_dir, "the following arguments are required: --output-dir")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
             dist.init_process_group(
-                "nccl" if config.device == "cuda" else "gloo", timeout=timedelta(hours=3)
+                "nccl" if config.device == "cuda" else "gloo",
+                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT),
             )
         trainer = Trainer(config, arguments.output_dir)
     except (KeyError, ValueError, OSError) as error:

@@ -583,9 +583,10 @@ plt.show()
 #
 # ## 7 · The epoch's batches
 #
-# `gcbs.gcbs_batches` is what the trainer calls at each epoch start: the GCBS order (relabelling seeded from
-# the run's seed and the epoch), cut into batches of $B$, the last short batch dropped, the batch order
-# shuffled. Identical texts embed identically, so RCM puts them side by side, where they would be false
+# `gcbs.gcbs_batches` makes an epoch's batches from the kit's variant: its order (relabelling seeded from
+# the run's seed and the epoch), cut into batches of $B$ by `gcbs.consecutive_batches` (the last short batch
+# dropped), the batch order shuffled. (The trainer cuts the published order the same way, unshuffled: section 8.)
+# Identical texts embed identically, so RCM puts them side by side, where they would be false
 # negatives of each other: given `keys`, an item whose key its batch already holds waits for the next batch.
 # Here a quarter of the items are copies:
 
@@ -624,7 +625,8 @@ print(
 # $q$-quantile, the diagonal (the positive pairs) included; the diagonal entries above it are edges
 # too; RCM runs on the directed graph as scipy symmetrises it, without relabelling the nodes, so
 # isolated items keep the data's order; and the training loop reads the permuted set sequentially,
-# the batch order not shuffled. The kit's variant stays a named option; here both, on the same
+# the batch order not shuffled. The kit's variant stays a function (`gcbs_permutation`, `gcbs_batches`),
+# not a sampler of the trainer; here both, on the same
 # embeddings, at the paper's $q = 0.999$ and this notebook's smallest $q$, by the loss gap of the
 # order read sequentially (the last batch may be short) and by time:
 

@@ -59,6 +59,7 @@ output_dir = (
 
 # %%
 import inspect
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -79,7 +80,7 @@ from gcbs_lib.comparison import (
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import consecutive_batches, published_permutation
 from gcbs_lib.mining import mine_hard_negatives
-from gcbs_lib.results import record
+from gcbs_lib.results import deltas_text, record
 from gcbs_lib.seeding import fixed_subset, generator
 from gcbs_lib.train import Trainer
 
@@ -202,15 +203,16 @@ groups_apart = mixed["gcbs"] == mixed["random"] == 0
 # every arm and seed of a comparison sees it:
 
 # %%
-same_items = fixed_subset(train_set.size, 8, "test-subset") == fixed_subset(
-    train_set.size, 8, "test-subset"
-)
-print(
-    "a limit of 8 keeps items",
-    fixed_subset(train_set.size, 8, "test-subset"),
-    "| every run:",
-    same_items,
-)
+limited = replace(base.options, eval_limit=8)
+test_queries = []
+for s in seeds:
+    run = experiments.get("codesearch")(limited, seed=s, device=device)
+    run.load_data()
+    test_queries.append(run.tasks["test"].queries)
+n_test = len(experiment.tasks["test"].queries)
+same_items = all(queries == test_queries[0] for queries in test_queries)
+print(f"eval_limit 8 keeps test queries {fixed_subset(n_test, 8, 'test-subset')} of {n_test}")
+print(f"the same queries for every seed {seeds}: {same_items}")
 
 # %% [markdown]
 # ## 3 · How many seeds
@@ -317,10 +319,9 @@ for arm in [a for a in arms if a != "random"]:
     line = delta[f"{arm}/test_mrr"]  # Δ paired by seed, its 95 % t-interval (none with one seed)
     print(
         f"{arm}: Δ test MRR {line.delta:+.4f} over {line.kit.n} seeds, 95 % CI "
-        f"{'—' if line.low is None else f'[{line.low:+.4f}, {line.high:+.4f}]'} (paper, GCBS: "
-        "+0.010 / +0.020 / "
-        f"+0.022): {line.verdict} [{experiment.data_name}, {experiment.model_name}, profile "
-        f"{profile}]"
+        f"{'—' if line.low is None else f'[{line.low:+.4f}, {line.high:+.4f}]'} (paper: "
+        f"{line.paper and deltas_text(line.paper.deltas)}): {line.verdict} "
+        f"[{experiment.data_name}, {experiment.model_name}, profile {profile}]"
     )
 
 # %% [markdown]
@@ -330,6 +331,7 @@ for arm in [a for a in arms if a != "random"]:
 assert all(check.within_tolerance for check in checks)
 assert share["gcbs"] > share["random"]
 assert groups_apart
+assert same_items, "every run must be scored on the same test items"
 
 # %%
 # NBVAL_CHECK_OUTPUT

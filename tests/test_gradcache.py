@@ -448,6 +448,17 @@ def test_until_its_backward_a_call_holds_the_last_chunks_graph_only():
     assert loss.requires_grad and [output.requires_grad for output in outputs] == [False, True]
 
 
+def test_a_frozen_last_branch_keeps_no_graph_and_the_others_get_their_gradients():
+    torch.manual_seed(0)
+    query, key = nn.Linear(4, 4).double(), nn.Linear(4, 4).double().requires_grad_(False)
+    batches = [torch.randn(6, 4, dtype=torch.float64) for _ in "qk"]
+    info_nce(query(batches[0]), key(batches[1])).backward()
+    reference = [p.grad.clone() for p in query.parameters()]
+    query.zero_grad()
+    cached_loss(info_nce, [query, key], batches, 4).backward()
+    assert max_relative_error([p.grad for p in query.parameters()], reference) <= 1e-12
+
+
 def test_under_ddp_every_chunk_is_replayed_and_none_kept(one_rank_group):
     setup = make_setup()
     ddp = [DistributedDataParallel(e) for e in setup.encoders]

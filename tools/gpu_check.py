@@ -5,15 +5,15 @@ exit 1 on a failure.
     .venv/bin/python tools/gpu_check.py --device cpu --quick   # the same checks, CPU-sized
 
 dropout: GradCache's dropout replay against one full graph, fp32 and fp64; bf16: the same under bf16
-autocast; gcbs: the GCBS order on the device equals the CPU's, and its time against one pass of S's
-matmul; precision: trainer steps (GradCache chunks) under the `precision` setting, bf16 autocast
-and fp16 autocast with its GradScaler, against the same steps in fp32; resume: a training run
-killed after a checkpoint and rerun ends with the uninterrupted run's model; minilm: notebook 04's
-recipe (UniXcoder lengths, batch 64) with the packaged MiniLM on the stand-in; nccl: an all_reduce
-on one rank (gloo on the CPU); ddp: notebook 07's gradient check (DDP heads through GradCache, the
-loss over embeddings gathered from every rank) on 2 ranks of the device's backend (NCCL needs 2
-GPUs; on one it runs 1 rank), against one process. Result "note": not bitwise, within what
-nondeterministic device kernels explain; "info": reported, not judged.
+autocast; gcbs: the published GCBS order on the device equals the CPU's, and its time against one
+pass of S's matmul; precision: trainer steps (GradCache chunks) under the `precision` setting, bf16
+autocast and fp16 autocast with its GradScaler, against the same steps in fp32; resume: a training
+run killed after a checkpoint and rerun ends with the uninterrupted run's model; minilm: notebook
+04's recipe (UniXcoder lengths, batch 64) with the packaged MiniLM on the stand-in; nccl: an
+all_reduce on one rank (gloo on the CPU); ddp: notebook 07's gradient check (DDP heads through
+GradCache, the loss over embeddings gathered from every rank) on 2 ranks of the device's backend
+(NCCL needs 2 GPUs; on one it runs 1 rank), against one process. Result "note": not bitwise, within
+what nondeterministic device kernels explain; "info": reported, not judged.
 """
 
 import argparse
@@ -132,10 +132,11 @@ def check_gcbs(args) -> list:
     n, device = 5_000 if args.quick else 100_000, args.device
     z1, z2 = embedded_pairs(n, 256, clustered=True)
     d1, d2 = z1.to(device), z2.to(device)
-    gcbs.gcbs_permutation(d1[:2000], d2[:2000], seed=0)  # warm-up: kernels, handles
+    torch.set_float32_matmul_precision("highest")  # S in full float32, as the trainer plans
+    gcbs.published_permutation(d1[:2000], d2[:2000])  # warm-up: kernels, handles
     on_device = []
-    seconds = timed(lambda: on_device.append(gcbs.gcbs_permutation(d1, d2, seed=0)), device)
-    on_cpu = gcbs.gcbs_permutation(z1, z2, seed=0)
+    seconds = timed(lambda: on_device.append(gcbs.published_permutation(d1, d2)), device)
+    on_cpu = gcbs.published_permutation(z1, z2)
     floor = min(timed(lambda: floor_pass(d1, d2), device) for _ in range(2))
     differ = (on_device[0] != on_cpu).double().mean().item()
     if differ == 0:

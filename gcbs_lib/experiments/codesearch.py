@@ -38,7 +38,7 @@ FILES = {
     "stdlib-advtest": ("stdlib-advtest", "train.jsonl", ADVTEST),
 }
 # the `data` of result rows (real data: "paper")
-DATA_NAMES = {"stdlib-csn": "stdlib-docstrings", "stdlib-advtest": "stdlib-docstrings-advtest"}
+DATA_NAMES = {f"stdlib-{d}": f"stdlib-docstrings-{d}" for d in ("csn", "advtest")}
 
 
 class CodeSearch(Experiment):

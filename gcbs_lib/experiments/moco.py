@@ -59,7 +59,8 @@ def colour(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         lambda x, f: f * x + (1 - f) * gray(x),
         hue,
     )
-    x, order = x.clone(), params[:, 5:].argsort(1)
+    x = x.clone()
+    order = params[:, 5:].argsort(1)
     for step in range(4):
         for k, op in enumerate(ops):
             pick = order[:, step] == k
@@ -261,7 +262,8 @@ class MoCo(Experiment):
         return TrainSet(len(train))
 
     def build_model(self) -> nn.Module:
-        o, world = self.options, rank_and_world_size()[1]
+        o = self.options
+        world = rank_and_world_size()[1]
         require(not o.bn_splits % world, f"bn_splits={o.bn_splits} is no multiple of {world} ranks")
         # the key shuffle stays within a rank: one group per rank would pair query i and key i again
         require(
