@@ -12,6 +12,7 @@ edge land close together, hence mostly in one batch. Two orders, S taken in row 
 
 `gcbs_batches` cuts the kit's order into batches; `loss_gap` measures what an order achieves."""
 
+import contextlib
 import math
 from collections import deque
 from typing import Hashable, Sequence
@@ -173,6 +174,18 @@ def _chunk_quantiles(chunks: torch.Tensor, quantile: float) -> torch.Tensor:
     return top[:, m - 1 - low].lerp(top[:, m - 1 - high], weight)
 
 
+@contextlib.contextmanager
+def _full_float32():
+    """float32 matmuls without TF32: which S_ij clear the threshold depends on their rounding."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+@_full_float32()
 def published_permutation(z1, z2, quantile: float = 0.999) -> torch.Tensor:
     """The published order, index for index: `reverse_cuthill_mckee` (default symmetric_mode) of the
     csr graph of the S_ij, diagonal included, above `torch.tensor([torch.quantile(S[i : i + 10],
@@ -274,7 +287,6 @@ def gcbs_batches(
     batches, the last short one dropped, with no two equal `keys` (duplicate texts: false negatives)
     in one batch when keys are given, and the batch order shuffled from (seed, epoch,
     "gcbs-batch-shuffle")."""
-    _check_batch_size(batch_size, len(z1))
     order = gcbs_permutation(z1, z2, quantile, stream_seed(seed, epoch, "gcbs-relabel"))
     batches = consecutive_batches(order, batch_size, keys)
     shuffle = torch.randperm(len(batches), generator=generator(seed, epoch, "gcbs-batch-shuffle"))

@@ -41,7 +41,8 @@ def memory_rise(run, method: str) -> int:
     done = threading.Event()
 
     def resident() -> int:
-        return (m := process.memory_info()).rss - (m.shared if method == "sampled_anonymous" else 0)
+        memory = process.memory_info()
+        return memory.rss - (memory.shared if method == "sampled_anonymous" else 0)
 
     before = peak = resident()
     if method == "vmhwm":

@@ -76,22 +76,16 @@ PaperDelta = namedtuple("PaperDelta", "experiment arm metric deltas source datas
 # Sachidananda, Yang & Zhu, "Global Selection of Contrastive Batches via Optimization on Sample
 # Permutations", ICML 2023: the one place the kit states the paper's numbers.
 CODESEARCH = ("codesearch", "gcbs", "test_mrr")  # experiment, arm, metric
+MOCO = ("moco", "gcbs", "test_knn_accuracy")
+SPEARMAN = ("gcbs", "test_spearman")  # arm, metric
 PAPER_DELTAS = (
     PaperDelta(*CODESEARCH, (0.010,), "CosQA, UniXcoder", "cosqa"),
     PaperDelta(*CODESEARCH, (0.020,), "AdvTest, UniXcoder", "advtest"),
     PaperDelta(*CODESEARCH, (0.022,), "CodeSearchNet, UniXcoder", "csn"),
     PaperDelta(*CODESEARCH, (0.010, 0.020, 0.022), "CosQA / AdvTest / CodeSearchNet, UniXcoder"),
-    PaperDelta(
-        "simcse", "gcbs", "test_spearman", (0.0103,), "STS avg, unsupervised SimCSE BERT-base"
-    ),
-    PaperDelta("promcse", "gcbs", "test_spearman", (0.0027,), "STS avg, PromCSE"),
-    PaperDelta(
-        "moco",
-        "gcbs",
-        "test_knn_accuracy",
-        (),
-        "no MoCo number in the paper; its code trains one with GCBS",
-    ),
+    PaperDelta("simcse", *SPEARMAN, (0.0103,), "STS avg, unsupervised SimCSE BERT-base"),
+    PaperDelta("promcse", *SPEARMAN, (0.0027,), "STS avg, PromCSE"),
+    PaperDelta(*MOCO, (), "no MoCo number in the paper; its code trains one with GCBS"),
 )
 
 # of one arm's values over seeds (sd None for one seed)
@@ -252,10 +246,9 @@ def to_csv(lines: list[TableLine]) -> str:
     out = io.StringIO()
     writer = csv.writer(out)
     summaries = [f"{who}_{part}" for who in ("start", "random", "arm") for part in Summary._fields]
-    names = ["experiment", "metric", "arm", "model", "data", "profile"]
-    writer.writerow(
-        names + summaries + ["delta", "low", "high", "paper_delta", "verdict", "commit"]
-    )
+    names = list(TableLine._fields[:6])  # experiment metric arm model data profile
+    tail = ["delta", "low", "high", "paper_delta", "verdict", "commit"]
+    writer.writerow(names + summaries + tail)
     for line in lines:
         arms = (line.start, line.random, line.kit)
         stats = [s and getattr(s, part) for s in arms for part in Summary._fields]
@@ -268,7 +261,8 @@ def to_csv(lines: list[TableLine]) -> str:
 
 def provenance(folder: str | Path = COMMITTED) -> dict:
     """How each committed rows file was made: {file name: {command, commit, date, seconds, …}}."""
-    return read_json(path) if (path := Path(folder, "provenance.json")).exists() else {}
+    path = Path(folder, "provenance.json")
+    return read_json(path) if path.exists() else {}
 
 
 def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:

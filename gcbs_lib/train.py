@@ -31,8 +31,7 @@ from gcbs_lib.data import write_atomic
 from gcbs_lib.launcher import COLLECTIVE_TIMEOUT
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-# where a run is, beside its tensors
-STATE = ("step", "epoch", "position", "plan", "best")
+STATE = ("step", "epoch", "position", "plan", "best")  # where a run is, beside its tensors
 RESUMABLE = set(
     "checkpoint_every eval_every progress device sync_check_every sync_tolerance".split()
 )
@@ -50,8 +49,7 @@ class TrainConfig:
     arm: str | None = None  # result rows' arm (default: the sampler's name)
     device: str = "cpu"  # "cpu" or "cuda" (each DDP rank takes cuda:LOCAL_RANK)
     batch_size: int = 64  # global: all ranks together
-    # GradCache chunk per rank; None: one plain forward and backward
-    chunk_size: int | None = None
+    chunk_size: int | None = None  # GradCache chunk per rank; None: one plain forward and backward
     epochs: int = 1
     max_steps: int | None = None  # stop (and end the schedule) earlier than `epochs` would
     lr: float = 2e-5
@@ -75,13 +73,10 @@ class TrainConfig:
     log_loss_gap: bool = True  # log the loss gap of each epoch's planned batches
     # each epoch plans (embeds, orders, mines) and trains on this many items, drawn afresh
     plan_sample: int | None = None
-    # dev evaluation every N steps (0: at each epoch end only)
-    eval_every: int = 0
+    eval_every: int = 0  # dev evaluation every N steps (0: at each epoch end only)
     checkpoint_every: int = 100
-    # DDP: compare parameters and gradients across ranks every N steps
-    sync_check_every: int = 0
-    # the largest difference between ranks the sync check accepts
-    sync_tolerance: float = 0.0
+    sync_check_every: int = 0  # DDP: compare parameters and gradients across ranks every N steps
+    sync_tolerance: float = 0.0  # the largest difference between ranks the sync check accepts
     progress: bool = True
     options: Any = None  # the experiment's Options (filled by `load_config`)
 
@@ -389,10 +384,7 @@ class Trainer:
         embedded = time.perf_counter()
         plan = [None]
         if self.main:
-            precision = torch.get_float32_matmul_precision()
-            torch.set_float32_matmul_precision("highest")  # S in full float32, as published
             positions = self._sample(z1, z2, items)  # rows of z1, z2
-            torch.set_float32_matmul_precision(precision)
             plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
@@ -498,10 +490,10 @@ class Trainer:
         """The model's scores on `split` as result rows, metrics named `<split>_<name>`."""
         config, experiment = self.config, self.experiment
         arm = config.arm or config.sampler
-        fields = dict(
-            experiment=config.experiment, arm=arm, seed=config.seed, profile=config.profile
+        fields = dict(experiment=config.experiment, arm=arm, seed=config.seed)
+        fields.update(
+            profile=config.profile, data=experiment.data_name, model=experiment.model_name
         )
-        fields.update(data=experiment.data_name, model=experiment.model_name)
         return [
             results.result_row(metric=f"{split}_{metric}", value=value, **fields)
             for metric, value in self._in_eval_mode(experiment.evaluate, split).items()

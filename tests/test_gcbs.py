@@ -442,3 +442,21 @@ def test_loss_gap_refuses_bad_orders_batch_sizes_and_temperatures(
 def test_batches_larger_than_the_data_are_refused():
     with pytest.raises(ValueError, match="N smaller than a batch"):
         gcbs_batches(torch.randn(10, 4), torch.randn(10, 4), 11)
+
+
+def test_the_published_order_is_computed_without_tf32_and_leaves_the_setting_as_it_was(monkeypatch):
+    seen = []
+    quantiles = gcbs._chunk_quantiles
+
+    def recording(chunks, quantile):
+        seen.append(torch.get_float32_matmul_precision())
+        return quantiles(chunks, quantile)
+
+    monkeypatch.setattr(gcbs, "_chunk_quantiles", recording)
+    z1, z2 = torch.randn(2, 50, 8, generator=torch.Generator().manual_seed(0))
+    torch.set_float32_matmul_precision("high")  # what a trainer on CUDA sets for TF32
+    try:
+        gcbs.published_permutation(z1, z2)
+        assert set(seen) == {"highest"} and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision("highest")

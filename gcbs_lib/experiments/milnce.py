@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gcbs_lib.data import build_once, data_root, read_json, run_data_script
+from gcbs_lib.data import build_once, data_root, ensure_built, read_json
 from gcbs_lib.data.howto100m import (
     FeatureStore,
     build_bags,
@@ -113,8 +113,8 @@ class MilNce(Experiment):
             "python-doc": ["howto100m_standin.py", self.root],
         }
         if rank == 0:
-            if o.source in scripts and not (self.root / "manifest.json").exists():
-                run_data_script(*scripts[o.source])
+            if o.source in scripts:
+                ensure_built(self.root, *scripts[o.source])
             settings = {"bag_size": o.bag_size, "eval_fraction": o.eval_fraction}
             build_once(folder, settings, partial(write_splits, o, self.root))
         if world_size > 1:

@@ -15,8 +15,7 @@ class PromCSE(SimCSE):
 
     @dataclass
     class Options(SimCSE.Options):
-        # prefix length per layer (PromCSE's default for BERT-base)
-        pre_seq_len: int = 16
+        pre_seq_len: int = 16  # prefix length per layer (PromCSE's default for BERT-base)
         prefix_dropout: float | None = None  # None: the backbone's hidden dropout, as PromCSE
 
     def build_model(self) -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gcbs_lib.data import data_root, run_data_script
+from gcbs_lib.data import data_root, ensure_built
 from gcbs_lib.data.sts import (
     STANDIN_NAME,
     TASKS,
@@ -70,9 +70,10 @@ class SimCSE(Experiment):
 
     def build_model(self) -> nn.Module:
         o = self.options
-        name = self.root / "models" / o.encoder if o.encoder in BUILT_MODELS else o.encoder
-        if o.encoder in BUILT_MODELS and not (name / "manifest.json").is_file():
-            run_data_script(BUILT_MODELS[o.encoder], "--root", self.root)
+        name = o.encoder
+        if o.encoder in BUILT_MODELS:
+            built = self.root / "models" / o.encoder
+            name = ensure_built(built, BUILT_MODELS[o.encoder], "--root", self.root)
         length = max(o.max_length, o.eval_max_length)
         self.encoder = text_encoder(
             str(name), pooling=o.pooling, max_length=length, dropout=o.dropout
