@@ -19,7 +19,7 @@ test data: `python data_scripts/build_sts_standin.py`.
 
 from pathlib import Path
 
-from fetch import download, download_main, unpack
+from fetch import download, download_main, unpack, unpacked
 
 BASE = "https://huggingface.co/datasets/princeton-nlp/datasets-for-simcse/resolve/main/"
 FILES = {"senteval": "senteval.tar", "wiki1m": "wiki1m_for_simcse.txt"}
@@ -30,10 +30,9 @@ def fetch(key: str, root: Path) -> Path:
     name = FILES[key]
     path = download(BASE + name, root / "sts" / name, SHA256[name])
     folder = root / "sts" / "SentEval"
-    unpacked = folder.is_dir() and not folder.with_name("SentEval.part").exists()
-    if key == "senteval" and not unpacked:  # a leftover .part: an unpack stopped midway
-        unpack(path, root / "sts" / "SentEval")
-        return root / "sts" / "SentEval"
+    if key == "senteval" and not unpacked(path, folder):
+        unpack(path, folder)
+        return folder
     return path
 
 

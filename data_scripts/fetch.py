@@ -89,7 +89,8 @@ def unpack(archive: str | Path, folder: str | Path) -> None:
     """Extract a tar archive into `folder`, its entries moved there only once all of it is
     extracted (an interrupted run leaves `<folder>.part`, cleared by the next); members that would
     land outside it are refused: tarfile's `data` filter where this Python has it (3.11.4+), else a
-    refusal of absolute names, `..` and links."""
+    refusal of absolute names, `..` and links. `unpacked(archive, folder)` says if it ran to its
+    end."""
     folder = Path(folder)
     part = folder.with_name(folder.name + ".part")
     shutil.rmtree(part, ignore_errors=True)
@@ -100,6 +101,16 @@ def unpack(archive: str | Path, folder: str | Path) -> None:
             shutil.rmtree(folder / entry.name)
         os.replace(entry, folder / entry.name)
     part.rmdir()
+    _marker(archive, folder).touch()
+
+
+def unpacked(archive: str | Path, folder: str | Path) -> bool:
+    """Whether `unpack(archive, folder)` ran to its end: its marker, written last, is there."""
+    return _marker(archive, folder).is_file()
+
+
+def _marker(archive: str | Path, folder: str | Path) -> Path:
+    return Path(folder) / f".{Path(archive).name}.unpacked"
 
 
 def _extract(archive: str | Path, folder: Path) -> None:

@@ -588,27 +588,30 @@ def test_download_script_fetches_cosqa_into_the_layout_the_readers_use(tmp_path,
     assert task.positive.tolist() == [0, 1]
 
 
-def test_download_script_runs_advtest_preprocessing_shipped_in_the_archive(tmp_path, monkeypatch):
+def served_advtest(tmp_path, monkeypatch, preprocess: str):
+    """The download script with AdvTest's archives served from files: CodeXGLUE's dataset.zip
+    holding `preprocess` as dataset/preprocess.py, and a CodeSearchNet python.zip stand-in."""
     served = tmp_path / "served"
     served.mkdir()
-    # CodeXGLUE's archive: dataset/preprocess.py
     with zipfile.ZipFile(served / "dataset.zip", "w") as zipped:
-        zipped.writestr(
-            "dataset/preprocess.py",
-            "import json, pathlib\n"
-            "rows = json.loads(pathlib.Path('python/rows.json').read_text())\n"
-            "for split in ('train', 'valid', 'test'):\n"
-            "    pathlib.Path(split + '.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in "
-            "rows))\n",
-        )
-    # CodeSearchNet python.zip stand-in
+        zipped.writestr("dataset/preprocess.py", preprocess)
     with zipfile.ZipFile(served / "python.zip", "w") as zipped:
         zipped.writestr("python/rows.json", json.dumps(ADVTEST_TEST))
     module = script("download_codesearch")
-    monkeypatch.setitem(
-        module.FILES,
-        "advtest",
-        [((served / n).as_uri(), n, h) for _, n, h in module.FILES["advtest"]],
+    files = [((served / n).as_uri(), n, h) for _, n, h in module.FILES["advtest"]]
+    monkeypatch.setitem(module.FILES, "advtest", files)
+    return module
+
+
+def test_download_script_runs_advtest_preprocessing_shipped_in_the_archive(tmp_path, monkeypatch):
+    module = served_advtest(
+        tmp_path,
+        monkeypatch,
+        "import json, pathlib\n"
+        "rows = json.loads(pathlib.Path('python/rows.json').read_text())\n"
+        "for split in ('train', 'valid', 'test'):\n"
+        "    pathlib.Path(split + '.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in "
+        "rows))\n",
     )
     assert (
         module.fetch("advtest", tmp_path / "data") == tmp_path / "data" / "codesearch" / "AdvTest"
@@ -618,25 +621,15 @@ def test_download_script_runs_advtest_preprocessing_shipped_in_the_archive(tmp_p
 
 
 def test_advtest_preprocessing_stopped_midway_is_redone_by_the_next_fetch(tmp_path, monkeypatch):
-    served = tmp_path / "served"
-    served.mkdir()
-    with zipfile.ZipFile(served / "dataset.zip", "w") as zipped:
-        zipped.writestr(
-            "dataset/preprocess.py",
-            "import json, pathlib, sys\n"
-            "rows = json.loads(pathlib.Path('python/rows.json').read_text())\n"
-            "pathlib.Path('test.jsonl').write_text(json.dumps(rows[0]) + '\\n')\n"
-            "if pathlib.Path('stop').exists():\n"
-            "    sys.exit(1)\n"
-            "pathlib.Path('test.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in rows))\n",
-        )
-    with zipfile.ZipFile(served / "python.zip", "w") as zipped:
-        zipped.writestr("python/rows.json", json.dumps(ADVTEST_TEST))
-    module = script("download_codesearch")
-    monkeypatch.setitem(
-        module.FILES,
-        "advtest",
-        [((served / n).as_uri(), n, h) for _, n, h in module.FILES["advtest"]],
+    module = served_advtest(
+        tmp_path,
+        monkeypatch,
+        "import json, pathlib, sys\n"
+        "rows = json.loads(pathlib.Path('python/rows.json').read_text())\n"
+        "pathlib.Path('test.jsonl').write_text(json.dumps(rows[0]) + '\\n')\n"
+        "if pathlib.Path('stop').exists():\n"
+        "    sys.exit(1)\n"
+        "pathlib.Path('test.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in rows))\n",
     )
     folder = tmp_path / "data" / "codesearch" / "AdvTest"
     folder.mkdir(parents=True)

@@ -335,7 +335,9 @@ def test_an_unpack_stopped_midway_leaves_no_folder_and_the_next_one_completes(tm
     with pytest.raises(tarfile.TarError):
         unpack(tmp_path / "cut.tar", tmp_path / "SentEval")
     assert not (tmp_path / "SentEval").exists()
+    assert not script("download_sts").unpacked(tmp_path / "cut.tar", tmp_path / "SentEval")
     unpack(tmp_path / "good.tar", tmp_path / "SentEval")
+    assert script("download_sts").unpacked(tmp_path / "good.tar", tmp_path / "SentEval")
     assert (tmp_path / "SentEval" / "downstream" / "a.txt").read_text() == "a" * 5000
     assert not (tmp_path / "SentEval.part").exists()
 
