@@ -1,6 +1,5 @@
-"""Six conventions of a data-parallel contrastive step (how each rank gathers the others'
-embeddings, which loss it takes, a factor W), and `ddp_steps`, their step on real ranks; notebook 02
-derives and compares their gradients."""
+"""Six conventions of a data-parallel contrastive step (gather, loss, a factor W) and `ddp_steps`,
+their step on real ranks; notebook 02 derives and compares their gradients."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,29 +18,17 @@ from gcbs_lib.distributed import (
     rank_difference,
 )
 from gcbs_lib.gradcache import cached_loss
-from gcbs_lib.losses import LogitScale, info_nce, rank_info_nce
+from gcbs_lib.losses import LogitScale, rank_info_nce
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 
 
 def gather_without_grad(x: torch.Tensor) -> torch.Tensor:
-    """All-gather, with a gradient to this rank's own rows only (as GradCache and Tevatron do)."""
+    """All-gather, with a gradient to this rank's own rows only (as GradCache and Tevatron do); the
+    same forward and backward as MIL-NCE's official AllGather (own rows' gradient, unsummed)."""
     rank, world_size = rank_and_world_size()
     pieces = list(gather_with_grad(x.detach()).chunk(world_size))
     pieces[rank] = x
     return torch.cat(pieces)
-
-
-class MilNceAllGather(torch.autograd.Function):
-    """MIL-NCE's official AllGather: forward gathers; backward keeps this rank's rows, unsummed."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        ctx.rows = x.shape[0]
-        return gather_with_grad(x.detach())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad[dist.get_rank() * ctx.rows : (dist.get_rank() + 1) * ctx.rows]
 
 
 @dataclass(frozen=True)
@@ -55,28 +42,25 @@ class Convention:
 
     def rank_loss(self, all_queries, all_docs, scale, rank: int, world_size: int) -> torch.Tensor:
         """The (symmetric) loss rank `rank` back-propagates, from its gathered embeddings."""
-        if self.global_loss:
-            loss = info_nce(all_queries, all_docs, scale, symmetric=True)
-        else:
-            loss = rank_info_nce(
-                all_queries, all_docs, scale, symmetric=True, rank=rank, world_size=world_size
-            )
+        share = (0, 1) if self.global_loss else (rank, world_size)  # (0, 1): info_nce
+        loss = rank_info_nce(all_queries, all_docs, scale, True, *share)
         return loss * world_size if self.times_world else loss
+
+    def gathered_loss(self, scale, rank: int, world_size: int, q, d) -> torch.Tensor:
+        """`rank_loss` of this rank's own queries and documents, gathered by `gather`."""
+        return self.rank_loss(self.gather(q), self.gather(d), scale, rank, world_size)
 
 
 CONVENTIONS = {
-    "kit": Convention("gather_with_grad, rank share L_r (the kit)", gather_with_grad, False, False),
-    "loss_x_W": Convention(
-        "gather_with_grad, rank share L_r, loss x W", gather_with_grad, False, True
-    ),
-    "no_grad": Convention("gather without grad, global loss", gather_without_grad, True, False),
-    "no_grad_x_W": Convention(
-        "gather without grad, global loss x W", gather_without_grad, True, True
-    ),
-    "milnce": Convention("MIL-NCE AllGather, global loss", MilNceAllGather.apply, True, False),
-    "no_grad_share": Convention(
-        "gather without grad, rank share L_r", gather_without_grad, False, False
-    ),
+    name: Convention(label, gather, global_loss, times_world)
+    for name, label, gather, global_loss, times_world in [
+        ("kit", "gather_with_grad, rank share L_r (the kit)", gather_with_grad, False, False),
+        ("loss_x_W", "gather_with_grad, rank share L_r, loss x W", gather_with_grad, False, True),
+        ("no_grad", "gather without grad, global loss", gather_without_grad, True, False),
+        ("no_grad_x_W", "gather without grad, global loss x W", gather_without_grad, True, True),
+        ("milnce", "MIL-NCE AllGather, global loss", gather_without_grad, True, False),
+        ("no_grad_share", "gather without grad, rank share L_r", gather_without_grad, False, False),
+    ]
 }
 LENGTH, VOCAB, DIM = 8, 50, 8  # tokens per text, vocabulary, embedding size
 
@@ -99,9 +83,7 @@ class ScalingSetup:
 def build_models(setup: ScalingSetup) -> tuple[TinyTextEncoder, LogitScale]:
     """The encoder and learnable logit scale, in float64, initialised from `setup.seed`."""
     torch.manual_seed(setup.seed)
-    encoder = TinyTextEncoder(
-        VOCAB, DIM, heads=2, layers=1, max_length=LENGTH, dropout=setup.dropout
-    )
+    encoder = TinyTextEncoder(VOCAB, DIM, 2, 1, LENGTH, setup.dropout)  # 2 heads, 1 layer
     return encoder.to(setup.device, torch.float64), LogitScale().to(setup.device, torch.float64)
 
 
@@ -115,10 +97,8 @@ def global_batch(setup: ScalingSetup, world_size: int) -> list[dict]:
 
 def flat_gradients(encoder, scale: LogitScale) -> dict[str, torch.Tensor]:
     """Every encoder gradient as one vector, and the logit scale's."""
-    return {
-        "encoder": torch.cat([p.grad.reshape(-1) for p in encoder.parameters()]).cpu(),
-        "logit_scale": scale.log_scale.grad.reshape(1).cpu(),
-    }
+    grads = torch.cat([p.grad.reshape(-1) for p in encoder.parameters()])
+    return {"encoder": grads.cpu(), "logit_scale": scale.log_scale.grad.reshape(1).cpu()}
 
 
 def ddp_steps(runs: list[tuple[str, ScalingSetup]]) -> list[dict]:
@@ -127,38 +107,26 @@ def ddp_steps(runs: list[tuple[str, ScalingSetup]]) -> list[dict]:
     rank, world_size = rank_and_world_size()
     results = []
     for convention, setup in runs:
-        rule = CONVENTIONS[convention]
         encoder, scale = build_models(setup)
         ddp = DistributedDataParallel(encoder)
         allreduces = []
         ddp.register_comm_hook(allreduces, _count_allreduce)
-        queries, docs = (
-            VirtualRanks(world_size).shard(batch)[rank] for batch in global_batch(setup, world_size)
-        )
+        shards = [VirtualRanks(world_size).shard(b)[rank] for b in global_batch(setup, world_size)]
         torch.manual_seed(setup.rank_seed(rank))
-        loss_fn = partial(_rank_loss, rule, scale, rank, world_size)
-        loss = cached_loss(loss_fn, ddp, [queries, docs], setup.chunk_size)
+        loss_fn = partial(CONVENTIONS[convention].gathered_loss, scale, rank, world_size)
+        loss = cached_loss(loss_fn, ddp, shards, setup.chunk_size)
         loss.backward()
         all_reduce_gradients(scale.parameters())
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         grads = [p.grad for p in (*encoder.parameters(), *scale.parameters())]
-        result = {
-            "loss": mean_loss.item() / world_size,
-            "grads": flat_gradients(encoder, scale),
-            "allreduces": allreduces,
-            "rank_difference": rank_difference(grads),
-        }
+        result = {"loss": mean_loss.item() / world_size, "grads": flat_gradients(encoder, scale)}
+        result |= {"allreduces": allreduces, "rank_difference": rank_difference(grads)}
         results.append(result)
     return results
 
 
 # bucket and return left unannotated: DDP checks a hook's types
-def _rank_loss(rule, scale, rank: int, world_size: int, q, d):
-    """One rank's loss under `rule`, on its own queries and documents against the gathered ones."""
-    return rule.rank_loss(rule.gather(q), rule.gather(d), scale, rank, world_size)
-
-
 def _count_allreduce(sizes: list[int], bucket):
     sizes.append(bucket.buffer().numel())
     return allreduce_hook(None, bucket)

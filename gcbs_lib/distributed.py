@@ -1,8 +1,7 @@
-"""Negatives from every rank, and the exact full-batch gradient, under data parallelism (derived in
-notebook 02): `gather_with_grad`'s backward hands each rank the sum over ranks of its rows'
-gradient, so with each rank's share of the loss (`losses.rank_info_nce`) DDP's average is the
-full-batch gradient. `VirtualRanks` writes the collectives out in one process (real ranks:
-`gcbs_lib.launcher`)."""
+"""Negatives from every rank, and the exact full-batch gradient, under data parallelism (notebook
+02): `gather_with_grad`'s backward hands each rank the sum over ranks of its rows' gradient, so with
+each rank's share of the loss (`losses.rank_info_nce`) DDP's average is the full-batch gradient.
+`VirtualRanks` writes the collectives out in one process (real ranks: `gcbs_lib.launcher`)."""
 
 import zlib
 from collections.abc import Iterable
@@ -18,14 +17,12 @@ MAX_DIMS = 8  # sizes in gather_with_grad's layout check
 
 
 def rank_and_world_size() -> tuple[int, int]:
-    """(rank, world size) of the default process group; (0, 1) when torch.distributed is not
-    initialised."""
+    """(rank, world size) of the default process group; (0, 1) when none is initialised."""
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 class _GatherWithGrad(torch.autograd.Function):
-    """Forward: all-gather along dim 0. Backward: reduce-scatter (sum the gradient over ranks, keep
-    own rows)."""
+    """Forward: all-gather on dim 0. Backward: reduce-scatter (sum over ranks, keep own rows)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -47,14 +44,12 @@ def _everyone(t: torch.Tensor) -> torch.Tensor:
 
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """`[B, ...]` on each rank → `[W·B, ...]`, ranks in order; the backward sums the incoming
-    gradients over ranks and returns this rank's rows. Identity when not distributed. Checking that
-    all ranks hold one shape (its first MAX_DIMS sizes) and dtype, else a ValueError on every rank,
-    costs an all-gather of MAX_DIMS + 2 int64 per rank on x's device and one host sync."""
+    gradients over ranks and returns this rank's rows; identity when not distributed. Ranks of other
+    shapes or dtypes raise ValueError on every rank (an all-gather of MAX_DIMS + 2 int64 checks)."""
     if rank_and_world_size()[1] == 1:
         return x
-    padding = [-1] * (MAX_DIMS - x.dim())
-    code = zlib.crc32(str(x.dtype).encode())
-    layout = torch.tensor([code, x.dim(), *x.shape[:MAX_DIMS], *padding], device=x.device)
+    sizes = [zlib.crc32(str(x.dtype).encode()), x.dim(), *x.shape[:MAX_DIMS]]  # dtype code first
+    layout = torch.tensor(sizes + [-1] * (MAX_DIMS + 2 - len(sizes)), device=x.device)
     layouts = _everyone(layout)
     if not torch.equal(layouts, layout.expand_as(layouts)):
         raise ValueError(
@@ -65,9 +60,8 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_ragged(rows: torch.Tensor, main_only: bool = False) -> torch.Tensor | None:
-    """`gather_with_grad` for ranks holding different numbers of rows (padded to the longest,
-    padding dropped). main_only: to rank 0 alone (None elsewhere), without gradient, where it holds
-    W times the longest rank's rows, then their concatenation."""
+    """`gather_with_grad` for ranks of different row counts (padded to the longest, then dropped);
+    main_only: to rank 0 alone (None elsewhere), without gradient, holding W × the longest rows."""
     rank, world_size = rank_and_world_size()
     if world_size == 1:
         return rows
@@ -82,9 +76,8 @@ def gather_ragged(rows: torch.Tensor, main_only: bool = False) -> torch.Tensor |
 
 
 def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
-    """Average `.grad` over ranks for parameters no DistributedDataParallel module reduces (e.g. a
-    LogitScale inside the loss), each once however often listed; every rank must hold the same
-    gradients. No-op in one process."""
+    """Average `.grad` over ranks (each parameter once) where no DistributedDataParallel does, e.g.
+    a LogitScale in the loss; every rank must hold the same parameters. No-op in one process."""
     _, world_size = rank_and_world_size()
     for p in {id(p): p for p in parameters}.values():
         if world_size > 1 and p.grad is not None:
@@ -93,9 +86,8 @@ def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
 
 
 def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
-    """The largest difference between ranks in any entry of `tensors` (of the same sizes and dtypes
-    on every rank): 0.0 means bitwise identical, and always when not distributed; NaN when any rank
-    holds a NaN."""
+    """The largest difference between ranks in any entry of `tensors` (same sizes and dtypes on all
+    ranks): 0.0 if bitwise identical or not distributed; NaN when any rank holds a NaN."""
     if rank_and_world_size()[1] == 1:
         return 0.0
     tensors = [t.detach().reshape(-1) for t in tensors if t.numel()]
@@ -108,47 +100,36 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
         return float("nan")
     largest = 0.0
     for tensor in tensors:
-        high = tensor.clone()
-        low = tensor.clone()
+        high, low = tensor.clone(), tensor.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        # inf − inf: 0
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)  # below, inf − inf counts as 0
         largest = max(largest, float((high.double() - low.double()).nan_to_num(nan=0.0).max()))
     return largest
 
 
 @dataclass(frozen=True)
 class VirtualRanks:
-    """W ranks simulated in one process: each collective is tensor arithmetic over a list with one
-    entry per rank."""
+    """W ranks simulated in one process: a collective is arithmetic over a list, one per rank."""
 
     world_size: int
 
     def shard(self, batch):
-        """Rank r's rows r·B:(r+1)·B of a global batch (tensor or tokenizer-style dict), as a
-        DistributedSampler."""
-        n = batch_length(batch)
-        require(
-            not n % self.world_size,
-            f"a batch of {n} does not split into {self.world_size} equal shards",
-        )
-        b = n // self.world_size
-        return [slice_batch(batch, r * b, (r + 1) * b) for r in range(self.world_size)]
+        """Rank r's rows r·B:(r+1)·B of a global batch (tensor or dict), as a DistributedSampler."""
+        n, w = batch_length(batch), self.world_size
+        require(not n % w, f"a batch of {n} does not split into {w} equal shards")
+        return [slice_batch(batch, r * n // w, (r + 1) * n // w) for r in range(w)]
 
     def all_gather(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's own copy of the concatenated pieces: separate leaves, so each rank's loss
-        has its gradient."""
+        """Each rank's own copy (a separate leaf, for its loss's gradient) of the pieces joined."""
         gathered = torch.cat([p.detach() for p in pieces])
         return [gathered.clone().requires_grad_() for _ in range(self.world_size)]
 
     def reduce_scatter(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The backward of `gather_with_grad`: rank r receives the sum over ranks of the gradient of
-        its rows."""
+        """`gather_with_grad`'s backward: rank r gets the sum over ranks of its rows' gradient."""
         return list(torch.stack(grads).sum(dim=0).chunk(self.world_size))
 
     def own_slice(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The backward of a gather without gradient (or MIL-NCE's AllGather): rank r keeps its own
-        copy's rows."""
+        """Backward of a gather without gradient (or MIL-NCE's AllGather): rank r keeps its rows."""
         return [grad.chunk(self.world_size)[r] for r, grad in enumerate(grads)]
 
     def all_reduce_mean(self, per_rank: list[torch.Tensor]) -> torch.Tensor:

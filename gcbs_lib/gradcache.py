@@ -1,5 +1,4 @@
-"""GradCache (Gao et al., 2021): the exact gradient of a contrastive loss over a batch larger than
-memory allows.
+"""GradCache (Gao et al., 2021): the exact contrastive-loss gradient of a batch beyond memory.
 
 θ enters the loss only through the embeddings z_i = f_θ(x_i), so dL/dθ = Σ_i (∂L/∂z_i)·(∂z_i/∂θ)
 accumulates chunk by chunk: (1) encode the batch chunk by chunk without a graph, saving each chunk's
@@ -21,12 +20,15 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from gcbs_lib.check import require
 
+REPLAYED_INPUTS = "GradCache replays the encoder on its inputs, so compute them inside it or detach"
+CHUNKED_NORM = "normalises each chunk by its own statistics (use LayerNorm, or eval mode)"
+
 
 class RandContext:
-    """Capture the CPU RNG and that of the devices holding `tensors`; entering replays them (in a
-    fork of the RNG)."""
+    """Capture the RNG of the CPU and of the devices of `tensors`; entering replays it in a fork."""
 
     def __init__(self, *tensors: torch.Tensor):
+        tensors = {t.device: t for t in tensors}.values()  # one state per device
         self.cpu_state = torch.get_rng_state()
         self.device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), "cuda")
         self.devices, self.device_states = get_device_states(*tensors)
@@ -43,19 +45,15 @@ class RandContext:
 
 
 def batch_length(batch: torch.Tensor | Mapping[str, Any]) -> int:
-    """Rows of a batch: a tensor, or a dict whose tensor entries (all equally long) are sliced on
-    dim 0."""
+    """Rows of a batch: a tensor, or a dict whose tensor entries (all equally long) are sliced."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 0
+    kind = type(batch).__name__
     if not isinstance(batch, Mapping):
-        raise TypeError(
-            f"a branch's batch must be a tensor or a dict of tensors, got {type(batch).__name__}"
-        )
+        raise TypeError(f"a branch's batch must be a tensor or a dict of tensors, got {kind}")
     lengths = {k: v.shape[:1] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    require(
-        len(set(lengths.values())) == 1 and () not in lengths.values(),
-        f"a dict batch needs tensor entries, all of the same length on dim 0; got shapes {lengths}",
-    )
+    one = len(set(lengths.values())) == 1 and () not in lengths.values()
+    require(one, f"a dict batch needs tensor entries all of the same length on dim 0: {lengths}")
     return next(iter(lengths.values()))[0]
 
 
@@ -67,15 +65,13 @@ def slice_batch(batch: torch.Tensor | Mapping[str, Any], start: int, stop: int):
 
 
 def encode_in_chunks(encoder: Callable, batch, chunk_size: int) -> torch.Tensor:
-    """`encoder` chunk by chunk with a graph: `cached_loss`'s dropout masks (from one RNG state),
-    one whole graph."""
+    """`encoder` chunk by chunk from one RNG state (`cached_loss`'s dropout masks), one graph."""
     starts = range(0, batch_length(batch), chunk_size)
     return joined([encoder(slice_batch(batch, start, start + chunk_size)) for start in starts])
 
 
 def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Chunks' embeddings stacked along dim 0, zero-padded to the longest in each later dim (token
-    vectors of chunks padded to different lengths)."""
+    """Chunks' embeddings stacked on dim 0, zero-padded to the longest in each later dim."""
     shape = [max(sizes) for sizes in zip(*(part.shape[1:] for part in parts))]
     out = parts[0].new_zeros(sum(len(part) for part in parts), *shape)
     start = 0
@@ -102,10 +98,9 @@ def cached_loss(
 ) -> torch.Tensor:
     """`loss_fn(*[encoder(batch) for each branch])`, whose `.backward()` gives the full-batch
     gradients while at most `chunk_size` rows hold a graph. `encoders`: one shared module or one per
-    branch; `batches`: one tensor or dict (tensor entries sliced on dim 0) per branch. A
-    DistributedDataParallel encoder replays under `no_sync()` but for its last chunk: one all-reduce
-    per module per call. Use `loss.backward()`, not `torch.autograd.grad` (the encoders' gradients
-    come from replays that autograd does not see)."""
+    branch; `batches`: a tensor or dict (tensor entries sliced on dim 0) per branch. A DDP encoder
+    replays under `no_sync()` but for its last chunk (one all-reduce per module per call). Use
+    `loss.backward()`, not `torch.autograd.grad`: encoder gradients come from unseen replays."""
     chunks, cached = _chunks(encoders, batches, chunk_size), []
     # the last chunk keeps its graph (one replay fewer), unless no backward will come or DDP would
     # see its forward before the replays' (DDP reduces after a module's last backward)
@@ -114,12 +109,8 @@ def cached_loss(
         last.kept = last.inputs
     # step 1: each chunk without a graph, under an RNG state saved for its replay
     for chunk in chunks:
-        parameters = (
-            list(chunk.encoder.parameters()) if isinstance(chunk.encoder, nn.Module) else []
-        )
-        chunk.rng = RandContext(
-            *{t.device: t for t in _tensors(chunk.inputs) + parameters}.values()
-        )
+        params = list(chunk.encoder.parameters()) if isinstance(chunk.encoder, nn.Module) else []
+        chunk.rng = RandContext(*_tensors(chunk.inputs), *params)
         with torch.set_grad_enabled(chunk.kept is not None):
             z = _checked(chunk.encoder(chunk.inputs), chunk)
         if chunk.kept is not None:  # a frozen encoder's chunk has no graph to keep
@@ -128,8 +119,7 @@ def cached_loss(
     embeddings = [
         joined([z for z, c in zip(cached, chunks) if c.branch == b]) for b in range(len(batches))
     ]
-    # makes autograd record the Function; it carries no gradient
-    anchor = torch.empty(0, requires_grad=True)
+    anchor = torch.empty(0, requires_grad=True)  # makes autograd record the Function (no gradient)
     autocast = [
         (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
     ]
@@ -137,32 +127,25 @@ def cached_loss(
 
 
 class _CachedEmbeddings(torch.autograd.Function):
-    """Forward: step 1's embeddings, one tensor per branch. Backward, given g = ∂L/∂z per branch:
-    step 3."""
+    """Forward: step 1's embeddings, a tensor per branch. Backward, given g = ∂L/∂z: step 3."""
 
     @staticmethod
-    def forward(
-        ctx, chunks: list[_Chunk], autocast: list, anchor: torch.Tensor, *embeddings: torch.Tensor
-    ):
+    def forward(ctx, chunks: list[_Chunk], autocast: list, anchor, *embeddings: torch.Tensor):
         ctx.chunks, ctx.autocast = chunks, autocast
         return tuple(z.view_as(z) for z in embeddings)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         last_use = {id(chunk.encoder): k for k, chunk in enumerate(ctx.chunks)}
-        # step 3: replay each chunk with a graph, back-propagate its ∂L/∂z; the kept chunk first,
-        # so its graph is freed before the replays build theirs
+        # step 3: the kept chunk first (its graph freed before replays build theirs), then replays
         last, kept = ctx.chunks[-1], ctx.chunks[-1].kept
         last.kept = None  # a second backward (retain_graph=True) replays it like the others
         if kept is not None:
             kept.backward(grads[last.branch][(last.rows, *map(slice, kept.shape[1:]))])
         for k, chunk in enumerate(ctx.chunks[: len(ctx.chunks) - (kept is not None)]):
             with contextlib.ExitStack() as stack:
-                if (
-                    isinstance(chunk.encoder, DistributedDataParallel)
-                    and last_use[id(chunk.encoder)] != k
-                ):
-                    # DDP all-reduces after the module's last chunk
+                ddp = isinstance(chunk.encoder, DistributedDataParallel)
+                if ddp and last_use[id(chunk.encoder)] != k:  # DDP all-reduces at its last chunk
                     stack.enter_context(chunk.encoder.no_sync())
                 stack.enter_context(chunk.rng)  # the dropout masks of step 1
                 for device, dtype in ctx.autocast:  # and its autocast policy
@@ -176,10 +159,9 @@ class _CachedEmbeddings(torch.autograd.Function):
 
 def _checked(z, chunk: _Chunk) -> torch.Tensor:
     where = f"branch {chunk.branch}, rows {chunk.rows.start}:{chunk.rows.stop}"
-    require(
-        isinstance(z, torch.Tensor) and z.shape[:1] == (chunk.rows.stop - chunk.rows.start,),
-        f"{where}: the encoder returned {getattr(z, 'shape', type(z))}, not one row per input row",
-    )
+    rows = isinstance(z, torch.Tensor) and z.shape[:1] == (chunk.rows.stop - chunk.rows.start,)
+    got = getattr(z, "shape", type(z))
+    require(rows, f"{where}: the encoder returned {got}, not one row per input row")
     if not torch.isfinite(z).all():
         raise FloatingPointError(f"{where}: the encoder produced NaN or inf embeddings")
     return z
@@ -192,38 +174,24 @@ def _tensors(batch) -> list[torch.Tensor]:
 
 
 def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
-    """Every branch cut into chunks of `chunk_size` rows; refuses what GradCache cannot replay
-    exactly."""
-    require(
-        type(chunk_size) is int and chunk_size > 0,
-        f"chunk_size must be a positive integer, got {chunk_size!r}",
-    )
-    require(
-        not isinstance(batches, (torch.Tensor, Mapping)) and len(batches) > 0,
-        "batches must be a non-empty sequence with one input per branch",
-    )
+    """Every branch in chunks of `chunk_size` rows; refuses what GradCache cannot replay exactly."""
+    positive = type(chunk_size) is int and chunk_size > 0
+    require(positive, f"chunk_size must be a positive integer, got {chunk_size!r}")
+    sequence = not isinstance(batches, (torch.Tensor, Mapping)) and len(batches) > 0
+    require(sequence, "batches must be a non-empty sequence with one input per branch")
     if not isinstance(encoders, (list, tuple, nn.ModuleList)):
         encoders = [encoders] * len(batches)
-    require(
-        len(encoders) == len(batches),
-        f"{len(encoders)} encoders for {len(batches)} branches: give one per branch or one shared",
-    )
+    counts = f"{len(encoders)} encoders for {len(batches)} branches"
+    require(len(encoders) == len(batches), f"{counts}: give one per branch or one shared")
     chunks = []
     for branch, (encoder, batch) in enumerate(zip(encoders, batches)):
         n = batch_length(batch)
         require(n, f"branch {branch} is an empty batch")
-        require(
-            not any(t.requires_grad for t in _tensors(batch)),
-            f"branch {branch}: the batch requires grad; GradCache replays the encoder on its "
-            "inputs, so compute them inside the encoder (or detach them)",
-        )
+        grad = any(t.requires_grad for t in _tensors(batch))
+        require(not grad, f"branch {branch}: the batch requires grad; {REPLAYED_INPUTS}")
         modules = encoder.modules() if isinstance(encoder, nn.Module) else []
-        require(
-            not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in modules),
-            f"branch {branch}: BatchNorm in training mode normalises each chunk by its own "
-            "statistics, so no replay gives the full batch's gradients; use LayerNorm or BatchNorm "
-            "in eval mode",
-        )
+        norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in modules)
+        require(not norm, f"branch {branch}: BatchNorm in training mode {CHUNKED_NORM}")
         for start in range(0, n, chunk_size):
             rows = slice(start, min(start + chunk_size, n))
             chunks.append(_Chunk(branch, encoder, slice_batch(batch, rows.start, rows.stop), rows))

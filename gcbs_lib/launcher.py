@@ -30,30 +30,17 @@ class LaunchError(RuntimeError):
         self.rank = rank
 
 
-def launch(
-    target: str | Callable,
-    *,
-    nproc: int = 2,
-    backend: str = "gloo",
-    args: dict | None = None,
-    timeout: float = COLLECTIVE_TIMEOUT,
-    echo: bool = True,
-):
-    """`target(**args)` on `nproc` local ranks started by torch.distributed's `elastic_launch`
-    (torchrun's engine), each in a process group of `backend` ("gloo"; "nccl": one GPU per rank):
-    rank 0's return value. `target`: a module-level function or "module:function" that child
-    processes can import (put a notebook's in gcbs_lib). `timeout`: seconds a rank may wait in a
-    collective, so that a hung rank fails the job rather than holding the node; `echo`: print the
-    ranks' output live. A failing rank stops the job: LaunchError names it, with its traceback."""
+def launch(target, *, nproc=2, backend="gloo", args=None, timeout=COLLECTIVE_TIMEOUT, echo=True):
+    """Rank 0's `target(**args)` of `nproc` local ranks, each in a process group of `backend`
+    ("gloo"; "nccl": one GPU per rank). `target`: a module-level function or "module:function" that
+    child processes can import (put a notebook's in gcbs_lib). `timeout`: seconds a rank may wait
+    in a collective (a hung rank fails the job); `echo`: print the ranks' output live."""
     if isinstance(target, str):
         module, _, name = target.partition(":")
         require(name, f"target must look like 'module:function', got {target!r}")
         target = getattr(importlib.import_module(module), name)
-    require(
-        target.__module__ != "__main__" and target.__qualname__.isidentifier(),
-        f"child processes cannot import {target.__qualname__} (a notebook's, a script's or a "
-        "local function): move it into gcbs_lib",
-    )
+    importable = target.__module__ != "__main__" and target.__qualname__.isidentifier()
+    require(importable, f"child ranks cannot import {target.__qualname__}: move it into gcbs_lib")
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     handlers = {s: signal.getsignal(s) for s in signals}
     with tempfile.TemporaryDirectory(prefix="gcbs-launch-") as logs:
@@ -71,13 +58,10 @@ def launch(
         try:
             return elastic_launch(config, _run_rank)(target, args or {}, backend, timeout)[0]
         except ChildFailedError as error:
-            # {rank: ProcessFailure}; the first error file written names the cause
-            failures = error.failures
-            files = {r: f.error_file for r, f in failures.items()}
-            written = {r: os.path.getmtime(f) for r, f in files.items() if os.path.isfile(f)}
-            rank = min(written, key=written.get) if written else min(failures)
-            # the error file's {..., "extraInfo": {"py_callstack"}}, or a signal
-            cause = failures[rank].message
+            files = {r: f.error_file for r, f in error.failures.items()}
+            failed_at = {r: os.path.getmtime(f) for r, f in files.items() if os.path.isfile(f)}
+            rank = min(failed_at, key=failed_at.get) if failed_at else min(error.failures)
+            cause = error.failures[rank].message  # the error file's, or a signal
             cause = cause["extraInfo"]["py_callstack"] if isinstance(cause, dict) else cause
             message = f"rank {rank} of {target.__qualname__} failed:\n{cause}"
             raise LaunchError(message, rank) from None
@@ -94,10 +78,8 @@ def _run_rank(target: Callable, args: dict, backend: str, timeout: float):
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    # a rank that raises exits holding its group, so its error file is written first
-    result = target(**args)
-    # free DDP reducers (held in reference cycles) while their process group still exists
-    gc.collect()
+    result = target(**args)  # a rank that raises exits holding its group: its error file first
+    gc.collect()  # free DDP reducers (held in reference cycles) while their group still exists
     dist.barrier()  # no rank tears down its group while another still talks to it
     dist.destroy_process_group()
     return result

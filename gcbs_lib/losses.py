@@ -1,9 +1,8 @@
 """Contrastive losses: InfoNCE (hard negatives, symmetric, a learnable logit scale, one vector per
-text or ColBERT's late interaction of token vectors), its per-rank share, MIL-NCE. InfoNCE: L =
-−(1/B) Σ_i log( exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) ), S the query × document scores, s the logit
-scale (1/temperature), p(i) the column of query i's positive: in-batch documents are the negatives.
-With k hard negatives per query the documents come as `[pos_0, neg_0_1, …, neg_0_k, pos_1, …]`, so
-p(i) = i·(k+1)."""
+text or ColBERT's late interaction), its per-rank share, MIL-NCE. InfoNCE: L = −(1/B) Σ_i log(
+exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) ), S the query × document scores, s the logit scale
+(1/temperature); with k hard negatives per query the documents come as `[pos_0, neg_0_1, …,
+neg_0_k, pos_1, …]`, so query i's positive is column p(i) = i·(k+1); the others are negatives."""
 
 import math
 from typing import Callable, Union
@@ -19,9 +18,8 @@ Scale = Union[float, torch.Tensor, Callable[[], torch.Tensor]]
 
 
 class LogitScale(nn.Module):
-    """A learnable logit scale kept in log space, as CLIP does: scale = exp(log_scale), from
-    `init_scale`. The forward does not clamp (its gradient stays exact): `clamp_()` after each
-    optimizer step keeps it in [1, max]."""
+    """A learnable logit scale exp(log_scale) from `init_scale`, kept in log space as CLIP does; the
+    forward does not clamp (exact gradient): `clamp_()` after each step keeps it in [1, max]."""
 
     def __init__(self, init_scale: float = 1 / 0.07, max_scale: float = 100.0):
         super().__init__()
@@ -47,9 +45,7 @@ def similarity(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     return tokens.masked_fill(padding[None, :, None, :], -math.inf).amax(dim=-1).sum(dim=-1)
 
 
-def info_nce(
-    query: torch.Tensor, docs: torch.Tensor, scale: Scale = 20.0, symmetric: bool = False
-) -> torch.Tensor:
+def info_nce(query, docs, scale: Scale = 20.0, symmetric=False) -> torch.Tensor:
     """InfoNCE over the `similarity` of `query [B, D]` and `docs [B·(1+k), D]` (k hard negatives per
     query; [B, T, D] token vectors for late interaction). `scale`: a number, a tensor or a callable
     such as `LogitScale` (20 suits unit-norm embeddings: temperature 0.05). `symmetric=True`
@@ -58,23 +54,16 @@ def info_nce(
 
 
 def rank_info_nce(
-    all_queries: torch.Tensor,
-    all_docs: torch.Tensor,
-    scale: Scale = 20.0,
-    symmetric: bool = False,
-    rank: int | None = None,
-    world_size: int | None = None,
+    all_queries, all_docs, scale: Scale = 20.0, symmetric=False, rank=None, world_size=None
 ) -> torch.Tensor:
     """L_r, rank r's share of InfoNCE over embeddings gathered from all W ranks: its B queries
     against all W·B·(1+k) documents (symmetric: also its B positive documents against all W·B
     queries). The mean of L_r over ranks is `info_nce(all_queries, all_docs, scale, symmetric)`.
     Rank and world size default to this process's."""
-    require(
-        all_queries.dim() == all_docs.dim() in (2, 3)
-        and all_queries.shape[-1] == all_docs.shape[-1],
-        f"embedding sizes differ or are not [rows, D] (or [rows, tokens, D]): queries "
-        f"{tuple(all_queries.shape)}, documents {tuple(all_docs.shape)}",
-    )
+    q, d = all_queries.shape, all_docs.shape
+    shapes = f"queries {tuple(q)}, documents {tuple(d)}"
+    same = len(q) == len(d) in (2, 3) and q[-1] == d[-1]
+    require(same, f"embedding sizes differ or are not [rows, D] (or [rows, tokens, D]): {shapes}")
     own_rank, own_world_size = rank_and_world_size()
     rank = own_rank if rank is None else rank
     world_size = own_world_size if world_size is None else world_size
@@ -107,8 +96,7 @@ def mil_nce(
 ) -> torch.Tensor:
     """MIL-NCE (Miech et al., CVPR 2020): clip i's positive is its bag P_i of neighbouring captions.
 
-    With S = video textᵀ / τ (`video [B, D]`, `text [N, D]`, `bag_idx [B, A]` caption rows, -1 =
-    padding):
+    With S = video textᵀ / τ (`video [B, D]`, `text [N, D]`, `bag_idx [B, A]` caption rows, -1 pad):
 
         "v2t"   ℓ_i = log Σ_{j≤N} e^{S_ij}                                − log Σ_{j∈P_i} e^{S_ij}
         "both"  ℓ_i = log (Σ_{j≤N} e^{S_ij} + Σ_{k≤B} Σ_{j∈P_i} e^{S_kj}) − log Σ_{j∈P_i} e^{S_ij}
@@ -120,11 +108,31 @@ def mil_nce(
     `[B]` with reduction="none"."""
     require(direction in ("v2t", "both"), f"direction must be 'v2t' or 'both', got {direction!r}")
     require(reduction in ("mean", "none"), f"reduction must be 'mean' or 'none', got {reduction!r}")
-    require(
-        chunk_size is None or type(chunk_size) is int and chunk_size > 0,
-        f"chunk_size must be None or a positive int, got {chunk_size!r}",
-    )
-    exclude = _checked_mil_nce_inputs(video, text, bag_idx, temperature, exclude_idx)
+    chunks = chunk_size is None or type(chunk_size) is int and chunk_size > 0
+    require(chunks, f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    # refuse what mil_nce cannot score (a CUDA gather would return garbage)
+    shapes = f"B, N > 0; got {tuple(video.shape)}, {tuple(text.shape)}"
+    paired = video.dim() == text.dim() == 2 and video.shape[1] == text.shape[1]
+    require(paired and len(video) and len(text), f"expected video [B, D] and text [N, D], {shapes}")
+    t = torch.as_tensor(temperature).detach()
+    usable = t.numel() == 1 and 0 < t.item() < math.inf
+    require(usable, f"temperature must be one positive finite number, got {t}")
+    finite = torch.isfinite(video).all() and torch.isfinite(text).all()
+    require(finite, "the video or text embeddings hold NaN or inf (diverged, or an fp16 overflow?)")
+    exclude = bag_idx.new_empty(len(video), 0) if exclude_idx is None else exclude_idx
+    for name, index in (("bag_idx", bag_idx), ("exclude_idx", exclude)):
+        shaped = index.dtype == torch.long and index.dim() == 2 and len(index) == len(video)
+        got = f"got {index.dtype} {tuple(index.shape)}"
+        require(shaped, f"{name} must be a long tensor [B={len(video)}, A], {got}")
+        inside = not index.numel() or -1 <= index.min() <= index.max() < len(text)
+        require(inside, f"{name} holds indices outside [-1, {len(text)}): N captions, -1 pads")
+    empty = (bag_idx < 0).all(dim=1).nonzero().flatten().tolist()
+    require(not empty, f"clips {empty} have an empty bag (a row of only -1)")
+    ordered = bag_idx.sort(dim=1).values
+    twice = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
+    require(not twice, "a caption appears twice in one bag; list each caption of a bag once")
+    shared = (exclude[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
+    require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")
     scaled = video / temperature
     padding = bag_idx < 0
     bags = bag_idx.clamp(min=0)
@@ -133,8 +141,7 @@ def mil_nce(
     positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf)
     positive = positive.logsumexp(dim=1)
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
-    # every clip against caption j (a column sum), then over the captions of clip i's bag
-    if direction == "both":
+    if direction == "both":  # every clip against caption j (column sums), then over clip i's bag
         columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags]
         columns = columns.masked_fill(padding, -math.inf)
         denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
@@ -142,53 +149,9 @@ def mil_nce(
     return loss.mean() if reduction == "mean" else loss
 
 
-def _checked_mil_nce_inputs(video, text, bag_idx, temperature, exclude_idx) -> torch.Tensor:
-    """Clear errors for everything `mil_nce` cannot score (a CUDA gather would return garbage
-    instead); returns the exclusions, `[B, 0]` when there are none."""
-    require(
-        video.dim() == text.dim() == 2
-        and video.shape[1] == text.shape[1]
-        and len(video)
-        and len(text),
-        f"expected video [B, D] and text [N, D], B, N > 0; got {tuple(video.shape)}, "
-        f"{tuple(text.shape)}",
-    )
-    t = torch.as_tensor(temperature).detach()
-    require(
-        t.numel() == 1 and 0 < t.item() < math.inf,
-        f"temperature must be one positive finite number, got {t}",
-    )
-    require(
-        torch.isfinite(video).all() and torch.isfinite(text).all(),
-        "the video or text embeddings hold NaN or inf (a diverged encoder, or an fp16 overflow?)",
-    )
-    exclude = bag_idx.new_empty(len(video), 0) if exclude_idx is None else exclude_idx
-    for name, index in (("bag_idx", bag_idx), ("exclude_idx", exclude)):
-        require(
-            index.dtype == torch.long and index.dim() == 2 and len(index) == len(video),
-            f"{name} must be a long tensor [B={len(video)}, A], got {index.dtype} "
-            f"{tuple(index.shape)}",
-        )
-        require(
-            not index.numel() or -1 <= index.min() <= index.max() < len(text),
-            f"{name} holds indices outside [-1, {len(text)}) ({len(text)} captions, -1 pads)",
-        )
-    empty = (bag_idx < 0).all(dim=1).nonzero().flatten().tolist()
-    require(not empty, f"clips {empty} have an empty bag (a row of only -1)")
-    ordered = bag_idx.sort(dim=1).values
-    require(
-        not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
-        "a caption appears twice in one bag; list each caption of a bag once",
-    )
-    shared = (exclude[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
-    require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")
-    return exclude
-
-
 def _masked_logsumexp(a, b, rows, cols, chunk_size: int | None) -> torch.Tensor:
-    """log Σ_j e^{<a_m, b_j>} over the j with (m, j) not among the pairs (rows, cols): `[M]`.
-    Excluded scores are set to the dtype's lowest finite value, not −inf, so a row with nothing left
-    has a finite, unused value."""
+    """log Σ_j e^{<a_m, b_j>} over j with (m, j) not among the pairs (rows, cols): `[M]`; excluded
+    scores are the dtype's lowest finite value, not −inf (a row with nothing left stays finite)."""
     if chunk_size is None:
         return _masked_block(a, b, rows, cols, slice(0, len(a)), slice(0, len(b))).logsumexp(dim=1)
     return _ChunkedLogSumExp.apply(a, b, rows, cols, chunk_size)
@@ -197,15 +160,13 @@ def _masked_logsumexp(a, b, rows, cols, chunk_size: int | None) -> torch.Tensor:
 def _masked_block(a, b, rows, cols, r: slice, c: slice) -> torch.Tensor:
     """Scores of rows r of `a` against rows c of `b`, the excluded pairs masked: `[|r|, |c|]`."""
     inside = (rows >= r.start) & (rows < r.stop) & (cols >= c.start) & (cols < c.stop)
-    return (a[r] @ b[c].T).index_put(
-        (rows[inside] - r.start, cols[inside] - c.start), a.new_tensor(torch.finfo(a.dtype).min)
-    )
+    lowest = a.new_tensor(torch.finfo(a.dtype).min)
+    return (a[r] @ b[c].T).index_put((rows[inside] - r.start, cols[inside] - c.start), lowest)
 
 
 class _ChunkedLogSumExp(torch.autograd.Function):
-    """`_masked_logsumexp` block by block: lse_m = logaddexp over column blocks; the backward
-    recomputes each block's P = e^{s − lse} = ∂lse/∂s and adds P @ b_c to a's gradient rows, Pᵀ @
-    a_r to b's. One block at a time."""
+    """`_masked_logsumexp` one block at a time; the backward recomputes each block's P = e^{s − lse}
+    = ∂lse/∂s and adds P @ b_c to a's gradient rows, Pᵀ @ a_r to b's."""
 
     @staticmethod
     def forward(ctx, a, b, rows, cols, chunk_size):

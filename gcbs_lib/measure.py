@@ -1,8 +1,7 @@
-"""Peak memory of a step: the CUDA allocator's peak, or on CPU the resident set's rise in a fresh
-process, after a warm-up step. On Linux "vmhwm" (reset the kernel's peak-RSS counter via
-/proc/self/clear_refs, read VmHWM: exact), elsewhere "sampled_rss" (a thread reads the resident set
-every 0.2 ms: it can miss a shorter peak); "sampled_anonymous" samples it without the file-backed
-pages (a memory-mapped file read in is cache the kernel can drop, not held memory)."""
+"""Peak memory of a step after a warm-up step: the CUDA allocator's peak, or on CPU the resident
+set's rise in a fresh process: "vmhwm" on Linux (VmHWM, reset via /proc/self/clear_refs: exact),
+else "sampled_rss" (read every 0.2 ms: it can miss a shorter peak); "sampled_anonymous" samples it
+without file-backed pages (cache the kernel can drop)."""
 
 import json
 import os
@@ -13,7 +12,13 @@ import threading
 import psutil
 import torch
 
+from gcbs_lib.check import require
+from gcbs_lib.gradcache import cached_loss
+from gcbs_lib.losses import info_nce, mil_nce
+from gcbs_lib.models import TinyTextEncoder, random_token_batch
+
 CLEAR_REFS = "/proc/self/clear_refs"
+METHODS = ("cuda", "vmhwm", "sampled_rss", "sampled_anonymous")  # see the module docstring
 
 
 def memory_method(device: str) -> str:
@@ -32,11 +37,7 @@ def memory_rise(run, method: str) -> int:
         run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    if method not in ("vmhwm", "sampled_rss", "sampled_anonymous"):
-        raise ValueError(
-            f"unknown memory method {method!r}: use 'cuda', 'vmhwm', 'sampled_rss' or "
-            "'sampled_anonymous'"
-        )
+    require(method in METHODS, f"unknown memory method {method!r}: use one of {METHODS}")
     process = psutil.Process()
     done = threading.Event()
 
@@ -78,20 +79,14 @@ def fresh_process_bytes(arguments: list[str], what, timeout: float = 600) -> int
 
 
 def step_bytes(step: str, setting: dict) -> int:
-    """The memory rise of `STEPS[step](**setting)` in a fresh process (`python -m gcbs_lib.measure
-    STEP SETTING`), after a small warm-up step."""
+    """`STEPS[step](**setting)`'s memory rise in a fresh `python -m gcbs_lib.measure`, warmed up."""
     arguments = ["-m", "gcbs_lib.measure", step, json.dumps(setting)]
     return fresh_process_bytes(arguments, f"{step} {setting}")
 
 
 def contrastive_step(method: str, batch_size: int, chunk_size: int = 16, device: str = "cpu"):
-    """Notebook 01's step, as a function: InfoNCE over random query and document texts through a
-    TinyTextEncoder (dim 64, 2 layers, 32 tokens), "plain" (one graph over the batch), "gradcache"
-    or "encode" (no-grad forwards)."""
-    from gcbs_lib.gradcache import cached_loss
-    from gcbs_lib.losses import info_nce
-    from gcbs_lib.models import TinyTextEncoder, random_token_batch
-
+    """Notebook 01's step: InfoNCE over random texts through a TinyTextEncoder (dim 64, 2 layers, 32
+    tokens), `method` "plain" (one graph), "gradcache" or "encode" (no-grad forwards)."""
     torch.manual_seed(0)
     encoder = TinyTextEncoder(1000, 64, 4, 2, 32).to(device)
     generator = torch.Generator().manual_seed(0)
@@ -112,10 +107,8 @@ def contrastive_step(method: str, batch_size: int, chunk_size: int = 16, device:
 
 
 def mil_nce_step(clips: int, bag_size: int, dim: int, chunk_size: int | None, device="cpu"):
-    """Notebook 07's step: MIL-NCE ("both") forward and backward over random clips and `bag_size`
-    captions each, its denominator streamed in blocks of `chunk_size` (None: all B×N scores)."""
-    from gcbs_lib.losses import mil_nce
-
+    """Notebook 07's step: MIL-NCE ("both") over random clips, `bag_size` captions each, its
+    denominator streamed in blocks of `chunk_size` (None: all B×N scores)."""
     generator = torch.Generator().manual_seed(0)
     video = torch.randn(clips, dim, generator=generator).to(device).requires_grad_()
     text = torch.randn(clips * bag_size, dim, generator=generator).to(device).requires_grad_()
@@ -124,7 +117,6 @@ def mil_nce_step(clips: int, bag_size: int, dim: int, chunk_size: int | None, de
 
 
 STEPS = {"contrastive": contrastive_step, "mil_nce": mil_nce_step}
-# the warm-up step, so that lazily allocated state is not charged to the measured one
 WARM_UP = {"contrastive": {"batch_size": 2, "chunk_size": 2}, "mil_nce": {"clips": 4, "dim": 4}}
 
 if __name__ == "__main__":

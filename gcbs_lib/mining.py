@@ -1,11 +1,9 @@
-"""Hard-negative mining: for each planned item, one document the current model ranks high that is
-not its match.
+"""Hard-negative mining: per planned item, a document the current model ranks high, not its match.
 
-Item i's candidates are the documents j ranked by S_ij = <ẑ1_i, ẑ2_j>, leaving out i's own batch
-(in-batch negatives already, i itself included) and every item sharing i's duplicate key (a false
-negative). The top ranks are still often unlabelled matches, so the negative is drawn uniformly from
-ranks skip … top_k−1 (0-based) with `generator` (on the CPU). S is computed on the embeddings'
-device a block of rows at a time, never whole."""
+Item i's candidates are the documents j ranked by S_ij = <ẑ1_i, ẑ2_j>, without i's own batch
+(in-batch negatives already, i included) and items sharing i's duplicate key (false negatives). The
+top ranks are still often unlabelled matches, so the negative is drawn uniformly from ranks skip …
+top_k−1 (0-based) with `generator` (CPU). S is computed a block of rows at a time, on z's device."""
 
 import torch
 
@@ -13,26 +11,23 @@ from gcbs_lib.check import require
 from gcbs_lib.gcbs import _block_elements, unit_rows
 
 
-def mine_hard_negatives(
-    z1, z2, batches, *, top_k=30, skip=3, keys=None, generator=None
-) -> torch.Tensor:
+def mine_hard_negatives(z1, z2, batches, *, top_k=30, skip=3, keys=None, generator=None):
     """A LongTensor shaped like `batches` [steps, B] (distinct item indices): entry [s, j] is the
     document mined for item batches[s, j]. keys: optional duplicate keys, one per item."""
     z1, z2 = unit_rows(z1, z2)  # checked: non-empty [N, d] of one shape, finite
     n, batches = len(z1), torch.as_tensor(batches, dtype=torch.long)
     items = batches.reshape(-1)
     require(0 <= skip < top_k, f"need 0 ≤ skip < top_k, got skip={skip}, top_k={top_k}")
-    if keys is not None and len(keys) != n:
-        raise ValueError(f"{len(keys)} keys for {n} items")
+    key_of = torch.arange(n)
+    if keys is not None:
+        require(len(keys) == n, f"{len(keys)} keys for {n} items")
+        ids = {}  # an integer per distinct key
+        key_of = torch.tensor([ids.setdefault(k, len(ids)) for k in list(keys)])
     distinct = len(items.unique()) == len(items) > 0
     valid = distinct and 0 <= items.min() <= items.max() < n
     require(valid, f"batches must hold distinct item indices in [0, {n})")
     batch_of = torch.full((n,), -1, dtype=torch.long)
     batch_of[items] = torch.arange(len(items)) // batches.shape[-1]
-    key_of = torch.arange(n)
-    if keys is not None:
-        ids = {}  # an integer per distinct key
-        key_of = torch.tensor([ids.setdefault(k, len(ids)) for k in list(keys)])
     draws, negatives = torch.rand(len(items), generator=generator), torch.empty_like(items)
     batch_of, key_of, draws = (t.to(z1.device) for t in (batch_of, key_of, draws))
     block = max(1, _block_elements(z1.device) // n)

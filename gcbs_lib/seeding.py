@@ -8,8 +8,7 @@ import torch
 
 
 def stream_seed(seed: int, epoch: int, purpose: str) -> int:
-    """A 63-bit seed for the stream `purpose` of run `seed` at `epoch`, unrelated to every other
-    triple."""
+    """A 63-bit seed for the stream `purpose` of run `seed` at `epoch`, unrelated to any other."""
     if not purpose:
         raise ValueError("a random stream needs a purpose name, e.g. 'shuffle' or 'gcbs-relabel'")
     digest = hashlib.blake2b(f"{int(seed)}/{int(epoch)}/{purpose}".encode(), digest_size=8).digest()
@@ -22,8 +21,7 @@ def generator(seed: int, epoch: int, purpose: str) -> torch.Generator:
 
 
 def fixed_subset(n: int, limit: int | None, purpose: str) -> list[int]:
-    """range(n), or a fixed random `limit` (≥ 1) of it in index order: the same for every run seed
-    and arm."""
+    """range(n), or a fixed random `limit` (≥ 1) of it, sorted: the same for every seed and arm."""
     if limit is not None and limit < 1:
         raise ValueError(f"the {purpose} limit must be at least 1, got {limit}")
     if limit is None or limit >= n:

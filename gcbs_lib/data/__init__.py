@@ -1,6 +1,5 @@
-"""Data families, one reader module each (codesearch, sts, howto100m, images), and the tools the kit
-shares to read and write files safely (`read_json`, `write_atomic`) and to build data under
-`data_root()`; stand-in builders and download tools live in `data_scripts/`."""
+"""Data families, one reader module each (codesearch, sts, howto100m, images), and the kit's file
+tools (`read_json`, `write_atomic`, builds under `data_root()`); builders are in `data_scripts/`."""
 
 import json
 import os
@@ -15,13 +14,10 @@ from typing import Callable
 REPOSITORY = Path(__file__).resolve().parents[2]
 
 
-def data_root(
-    chosen: str | None = None, option: str = "data_root", *, built_here: bool = False
-) -> Path:
-    """The data folder: `chosen` (it, or if `built_here` its parent, exists), $GCBS_DATA_ROOT or
-    <repo>/data."""
+def data_root(chosen=None, option="data_root", *, built_here=False) -> Path:
+    """The data folder: `chosen` (it, or if `built_here` its parent, must exist: a typo would put
+    data astray), $GCBS_DATA_ROOT or <repo>/data."""
     folder = Path(chosen or os.environ.get("GCBS_DATA_ROOT") or REPOSITORY / "data").expanduser()
-    # a typo would put data at a stray place
     if chosen and not (folder.parent if built_here else folder).is_dir():
         raise ValueError(
             f"{option} {chosen}{': its parent folder' if built_here else ''} does not exist: "
@@ -35,15 +31,12 @@ def run_data_script(script: str, *args) -> None:
     command = [sys.executable, str(REPOSITORY / "data_scripts" / script), *map(str, args)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(
-            f"data_scripts/{script} failed (exit {done.returncode}):\n"
-            f"{(done.stdout + done.stderr)[-3000:]}"
-        )
+        output = (done.stdout + done.stderr)[-3000:]
+        raise RuntimeError(f"data_scripts/{script} failed (exit {done.returncode}):\n{output}")
 
 
 def ensure_built(folder: str | Path, script: str, *args) -> Path:
-    """`folder`, built first by `run_data_script(script, *args)` unless it holds the manifest.json
-    that `build_once` writes last."""
+    """`folder`, built first by `run_data_script(script, *args)` unless it holds a manifest.json."""
     if not (Path(folder) / "manifest.json").is_file():
         run_data_script(script, *args)
     return Path(folder)
@@ -104,8 +97,7 @@ class PlainUnpickler(pickle.Unpickler):
     NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
     ALLOWED = {("builtins", t.__name__) for t in PLAIN}
     ALLOWED |= {(m, n) for m in NUMPY for n in ("_reconstruct", "scalar")}
-    # _codecs: Python 3 bytes, protocol 2
-    ALLOWED |= {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+    ALLOWED |= {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}  # _codecs: bytes
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:

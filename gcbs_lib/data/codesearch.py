@@ -1,15 +1,12 @@
 """Code search data: the files UniXcoder's code-search script reads, as `{"query", "code", "key"}`
-examples.
+examples (`data_scripts/build_codesearch_standin.py` writes its stand-in in the last two below).
 
   CosQA          cosqa-retrieval-*.json, a JSON list: query `doc`, key `retrieval_idx` (`label`
                  ignored, as UniXcoder does). Pool: code_idx_map.txt, {code: retrieval_idx}.
   AdvTest        {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens` (train) or
                  `function_tokens` (names normalised, valid/test), key `url`. Pool: the split file.
   CodeSearchNet  {train,valid,test}.jsonl: `docstring_tokens`, `code_tokens`, `url`. Pool:
-                 codebase.jsonl.
-
-The stdlib stand-in of `data_scripts/build_codesearch_standin.py` is written in the last two
-layouts."""
+                 codebase.jsonl."""
 
 from pathlib import Path
 from typing import NamedTuple
@@ -21,9 +18,8 @@ from gcbs_lib.data import read_json
 
 
 def load(path: str | Path) -> list[dict]:
-    """Read any code-search file UniXcoder's run.py reads into `{"query", "code", "key"}` dicts:
-    `.jsonl` (an object per line), else one JSON list (CosQA) or object {code: retrieval_idx}
-    (code_idx_map.txt, query ""); errors name the file and the line or row."""
+    """`{"query", "code", "key"}` dicts of any file UniXcoder's run.py reads: `.jsonl`, a JSON list
+    (CosQA) or object {code: retrieval_idx} (code_idx_map.txt, query ""); errors name file, line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -32,23 +28,19 @@ def load(path: str | Path) -> list[dict]:
     text = path.read_text(encoding="utf-8")
     if path.name.endswith(".jsonl"):
         lines = [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1)]
-        examples = [
-            _example(read_json(where, line), where) for where, line in lines if line.strip()
-        ]
+        examples = [_example(read_json(at, line), at) for at, line in lines if line.strip()]
     else:
         document = read_json(path, text, "; JSON-lines files are named *.jsonl")
+        got = f"expected a JSON list or object, got {type(document).__name__}"
+        require(isinstance(document, (dict, list)), f"{path}: {got}")
         if isinstance(document, dict):  # code_idx_map
             integers = all(type(idx) is int for idx in document.values())
             require(integers, f"{path}: a code map holds integer retrieval_idx")
             examples = [
                 {"query": "", "code": _joined(c), "key": str(i)} for c, i in document.items()
             ]
-        elif isinstance(document, list):
-            examples = [_example(row, f"{path}[{i}]") for i, row in enumerate(document)]
         else:
-            raise ValueError(
-                f"{path}: expected a JSON list or object, got {type(document).__name__}"
-            )
+            examples = [_example(row, f"{path}[{i}]") for i, row in enumerate(document)]
     require(examples, f"{path}: no code-search examples")
     return examples
 
@@ -60,11 +52,8 @@ def _example(row: dict, where: str) -> dict:
     key = row.get("url", row.get("retrieval_idx"))
     query = row.get("docstring_tokens")
     query = query if isinstance(query, list) else row.get("doc", query)
-    require(
-        None not in (code, query, key),
-        f"{where}: a code-search row needs docstring_tokens or doc, code_tokens or "
-        f"function_tokens, and url or retrieval_idx; it has {sorted(row)}",
-    )
+    needs = "docstring_tokens or doc, code_tokens or function_tokens, and url or retrieval_idx"
+    require(None not in (code, query, key), f"{where}: a row needs {needs}; it has {sorted(row)}")
     return {"query": _joined(query), "code": _joined(code), "key": str(key)}
 
 

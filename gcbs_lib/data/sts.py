@@ -21,10 +21,7 @@ STS_YEARS = {  # SentEval's sub-datasets per year (STS13's SMT part is not distr
     "STS16": ("answer-answer", "headlines", "plagiarism", "postediting", "question-question"),
 }
 SPLIT_FILES = {  # task -> (header lines, sentence 1, sentence 2, score columns), {split: file name}
-    "STSBenchmark": (
-        (0, 5, 6, 4),
-        {"train": "sts-train.csv", "dev": "sts-dev.csv", "test": "sts-test.csv"},
-    ),
+    "STSBenchmark": ((0, 5, 6, 4), {s: f"sts-{s}.csv" for s in ("train", "dev", "test")}),
     "SICKRelatedness": (
         (1, 1, 2, 3),
         {"train": "SICK_train.txt", "dev": "SICK_trial.txt", "test": "SICK_test_annotated.txt"},
@@ -32,17 +29,14 @@ SPLIT_FILES = {  # task -> (header lines, sentence 1, sentence 2, score columns)
 }
 TASKS = (*STS_YEARS, *SPLIT_FILES)
 STANDIN_NAME = "gensim-testdata-not-sts"  # the `data` of result rows computed on the stand-in
-# lee-*: halves of the documents
-STANDIN_SETS = ("lee", "lee-dev", "lee-test", "wordsim353", "simlex999")
+STANDIN_SETS = ("lee", "lee-dev", "lee-test", "wordsim353", "simlex999")  # lee-*: document halves
 
 
 def load(path: str | Path, task: str) -> tuple[list[str], list[str], list[float]]:
     """Sentence pairs and gold scores of one SentEval task (see the module docstring for `path`)."""
     path = Path(path)
     if task in STS_YEARS and not path.is_dir():
-        raise NotADirectoryError(
-            f"{task}: expected the year's folder of STS.input/STS.gs files, got {path}"
-        )
+        raise NotADirectoryError(f"{task}: {path} is not a folder of STS.input/STS.gs files")
     require(task in TASKS, f"task must be one of {TASKS}, got {task!r}")
     if task in STS_YEARS:
         rows = [r for name in STS_YEARS[task] for r in _sts_subset(path, task, name)]
@@ -80,10 +74,8 @@ def _sts_subset(folder: Path, task: str, name: str) -> list[tuple[str, str, str,
                 f"missing {file}: SentEval's {task} has the sub-datasets {STS_YEARS[task]}"
             )
     pairs, scores = (file.read_text(encoding="utf-8").splitlines() for file in (inputs, gold))
-    require(
-        len(pairs) == len(scores),
-        f"{inputs.name} has {len(pairs)} lines but {gold.name} has {len(scores)}",
-    )
+    counts = f"{inputs.name} has {len(pairs)} lines but {gold.name} has {len(scores)}"
+    require(len(pairs) == len(scores), counts)
     rows = [
         (*pair.split("\t")[:2], score, f"{gold}:{n}")
         for n, (pair, score) in enumerate(zip(pairs, scores), 1)
@@ -95,15 +87,13 @@ def _sts_subset(folder: Path, task: str, name: str) -> list[tuple[str, str, str,
 
 def _split_file(path: Path, task: str) -> list[tuple[str, str, str, str]]:
     (header, first, second, score), _ = SPLIT_FILES[task]
+    needed = max(first, second, score) + 1
     rows = []
     with open(path, encoding="utf-8", newline="") as handle:
         for number, row in enumerate(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
             if number > header and any(field.strip() for field in row):
-                require(
-                    len(row) > max(first, second, score),
-                    f"{path}:{number}: expected at least "
-                    f"{max(first, second, score) + 1} tab-separated columns, got {len(row)}",
-                )
+                columns = f"expected at least {needed} tab-separated columns, got {len(row)}"
+                require(len(row) >= needed, f"{path}:{number}: {columns}")
                 rows.append((row[first], row[second], row[score], f"{path}:{number}"))
     return rows
 
