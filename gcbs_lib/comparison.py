@@ -33,17 +33,25 @@ def run_arms(
     experiment, profile, arms, seeds, folder, overrides=None, *, nproc=1, backend="gloo"
 ) -> dict:
     """`{(arm, seed): summary}` of `train` for each of `arm_configs`: in this process, or on `nproc`
-    ranks of `backend` through torchrun (rank 0's summary comes back); and `("start", seed)`: the
-    untrained model's test rows (what training is measured against). Prints one line per run."""
+    ranks of `backend` through torchrun (rank 0's summary comes back); `("start", seed)`: the
+    untrained model's test rows and outputs (what training is measured against); and the trivial
+    baseline's, where the experiment has one, as `("baseline-<name>", first seed)`. Prints one line
+    per run."""
     summaries = {}
     for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
         output_dir = Path(folder) / f"{arm}-seed{seed}"
-        if ("start", seed) not in summaries:  # the untrained model
+        if ("start", seed) not in summaries:  # the untrained model, and a trivial scorer
             start = Trainer(replace(config, sampler="random", arm="start"), output_dir)
-            rows = start.score("test")
-            summaries["start", seed] = {"rows": rows}
-            scores = ", ".join(f"{r['metric'][5:]} {r['value']:.4f}" for r in rows)
-            print(f"start seed {seed}: untrained, test {scores}")
+            rows, outputs = start.score()
+            summaries["start", seed] = {"rows": rows, "outputs": {"best": outputs}}
+            print(f"start seed {seed}: untrained, test {scores_text(rows)}")
+            trivial = start.experiment.baseline() if seed == seeds[0] else None
+            if trivial is not None:
+                name, outputs = trivial
+                scored = start.result_rows(start.experiment.scores(outputs), "test_")
+                rows = [{**row, "arm": f"baseline-{name}"} for row in scored]
+                summaries[f"baseline-{name}", seed] = {"rows": rows, "outputs": {"best": outputs}}
+                print(f"trivial baseline {name}: test {scores_text(rows)}")
         if nproc == 1:
             summary = train(config, output_dir)
         else:
@@ -53,9 +61,14 @@ def run_arms(
             )
         summaries[arm, seed] = summary
         steps = f"{summary['steps']} steps, best dev at step {summary['best_step']}"
-        test = ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items())
-        print(f"{arm} seed {seed}: {steps}, test {test}")
+        print(f"{arm} seed {seed}: {steps}, test {scores_text(summary['rows'])}")
     return summaries
+
+
+def scores_text(rows: list[dict]) -> str:
+    """The test rows' scores, as "mrr 0.2338, recall@1 0.1475"."""
+    tested = [row for row in rows if row["metric"].startswith("test_")]
+    return ", ".join(f"{row['metric'][5:]} {row['value']:.4f}" for row in tested)
 
 
 def pilot_plan(
@@ -93,6 +106,16 @@ def rows_of(summaries: dict) -> list[dict]:
     return [row for summary in summaries.values() for row in summary["rows"]]
 
 
+def outputs_of(summaries: dict) -> list[dict]:
+    """Every run's per-item test outputs: records {experiment, arm, seed, checkpoint, outputs}."""
+    return [
+        {**{k: summary["rows"][0][k] for k in ("experiment", "arm", "seed")}, "checkpoint": name}
+        | {"outputs": outputs}
+        for summary in summaries.values()
+        for name, outputs in summary["outputs"].items()
+    ]
+
+
 class MarkdownTable(str):
     """Markdown text that Jupyter renders as a table and a console prints as it is."""
 
@@ -101,8 +124,9 @@ class MarkdownTable(str):
 
 def arms_table(summaries, stand_in="not the paper's data") -> dict:
     """Show the table of the runs' test rows (start, random, each arm, Δ against random paired by
-    seed with its 95 % interval, the paper's Δ, the verdict) and the random arm's gain over the
-    start; return its lines with a Δ, keyed "arm/metric"."""
+    seed with its 95 % t- and bootstrap intervals, the paper's Δ, the gated verdict, the epoch-0
+    diagnostics) and the random arm's gain over the start; return its lines with a Δ, keyed
+    "arm/metric"."""
     from IPython.display import display
 
     rows = rows_of(summaries)
@@ -113,7 +137,8 @@ def arms_table(summaries, stand_in="not the paper's data") -> dict:
         )
     if rows[0]["profile"] == "ci":
         print("ci profile, a smoke test: these numbers mean nothing about GCBS")
-    lines = [line for line in build_table(rows) if line.metric.startswith("test_")]
+    lines = build_table(rows, outputs=outputs_of(summaries))
+    lines = [line for line in lines if line.metric.startswith("test_")]
     display(MarkdownTable(to_markdown(lines)))
     # one per metric
     moved = {line.metric[5:]: line for line in lines if line.start and line.random}
@@ -146,16 +171,19 @@ def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[s
 
 
 def plot_deltas(ax, lines) -> None:
-    """Each line's Δ with its 95 % interval, beside the paper's Δ (×) and 0."""
+    """Each line's Δ with its 95 % bootstrap interval (seeds × test items), beside the paper's Δ (×)
+    and 0."""
     for y, line in enumerate(lines):
-        low, high = (line.low, line.high) if line.low is not None else (line.delta, line.delta)
+        low, high = (
+            (line.boot_low, line.boot_high) if line.boot_low is not None else (line.delta,) * 2
+        )
         xerr = [[line.delta - low], [high - line.delta]]
         ax.errorbar(line.delta, y, xerr=xerr, fmt="o", color="k", capsize=4)
         if line.paper and line.paper.deltas:
             ax.plot(line.paper.deltas, [y] * len(line.paper.deltas), "x", color="C3", ms=9)
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_yticks(range(len(lines)), [f"{line.arm}/{line.metric}" for line in lines])
-    ax.set(xlabel="Δ vs random, 95 % CI (× the paper's Δ)", ylim=(-0.7, len(lines) - 0.3))
+    ax.set(xlabel="Δ vs random, 95 % bootstrap CI (× the paper's Δ)", ylim=(-0.7, len(lines) - 0.3))
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:

@@ -138,14 +138,9 @@ def _threshold_and_candidates(u1, u2, quantile: float) -> tuple[float, np.ndarra
 
 
 def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -> torch.Tensor:
-    """The GCBS permutation of N pairs: the RCM order of the graph of off-diagonal S_ij above
-    `quantile`.
-
-    z1, z2: [N, d] embeddings of the two sides of each pair (normalised here). The nodes are
-    relabelled at random (`seed`) before RCM, which breaks ties by node index and puts isolated
-    nodes last: without it these would follow the data's index order at every epoch. Returns a
-    LongTensor permutation of range(N), not yet cut into batches (see `gcbs_batches`).
-    """
+    """The kit's GCBS permutation of N pairs (z1, z2: [N, d]), a LongTensor: the RCM order of the
+    graph of off-diagonal S_ij above their `quantile`. The nodes are relabelled at random (`seed`)
+    first: RCM breaks ties by node index and puts isolated nodes last, in the data's order."""
     require(0 < quantile < 1, f"quantile must lie in (0, 1), got {quantile}")
     u1, u2 = unit_rows(z1, z2)
     n = len(u1)
@@ -293,11 +288,18 @@ def gcbs_batches(
     return batches[shuffle]
 
 
+def same_group_pairs(batches: torch.Tensor, groups: Sequence[Hashable]) -> float:
+    """The share of in-batch pairs (i ≠ j in one row of `batches` [S, B]) whose items share a group,
+    `groups[k]` being item k's (a class, a video, a source module: a proxy for false negatives)."""
+    number = {group: i for i, group in enumerate(dict.fromkeys(groups))}
+    codes = torch.tensor([number[group] for group in groups])[batches]
+    same = sum(int((row[:, None] == row[None, :]).sum()) - len(row) for row in codes)
+    return same / (codes.shape[0] * codes.shape[1] * (codes.shape[1] - 1))
+
+
 def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     """Exact L^Global − L^Train of InfoNCE over the consecutive batches of `order` (the last maybe
-    shorter).
-
-    With S = ẑ1ẑ2ᵀ and B(i) the batch of item i, the positive terms cancel:
+    shorter). With S = ẑ1ẑ2ᵀ and B(i) the batch of item i, the positive terms cancel:
         gap = (1/N) Σ_i [ log Σ_j e^{S_ij/τ} − log Σ_{j∈B(i)} e^{S_ij/τ} ]  ≥ 0.
     Float64, in row blocks. For planned batches [steps, B] of items: loss_gap(z1[items], z2[items],
     torch.arange(len(items)), B, τ) with items = batches.flatten()."""

@@ -1,5 +1,5 @@
 """Retrieval and correlation metrics: ranks, MRR, R@K, median rank, Spearman, and MoCo's weighted
-kNN accuracy. A query's rank is 1 + the number of OTHER candidates scoring at least as high as its
+kNN vote. A query's rank is 1 + the number of OTHER candidates scoring at least as high as its
 match: a tie counts above the match (pessimistic), so a model that scores everything equal gets the
 worst rank N, not the best."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gcbs_lib.check import require
 
-# scores held at once by `retrieval_ranks` and `knn_accuracy`: 16 MiB of float32
+# scores held at once by `retrieval_ranks` and `knn_predict`: 16 MiB of float32
 BLOCK_ELEMENTS = 2**22
 INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -114,34 +114,34 @@ def _as_array(values) -> np.ndarray:
     return np.asarray(values, float)
 
 
-def knn_accuracy(
+def knn_predict(
     features: torch.Tensor,
-    labels: torch.Tensor,
     bank: torch.Tensor,
     bank_labels: torch.Tensor,
     k: int = 200,
     temperature: float = 0.1,
     block_size: int | None = None,
-) -> float:
-    """Share of `features` [Q, D] whose weighted kNN vote over `bank` [N, D] gives their `labels`:
-    the k most cosine-similar bank rows (ties: lower index first) each add exp(cos/temperature) to
-    their class in `bank_labels` [N]; the top class wins (ties: the smallest). MoCo's demo."""
+) -> torch.Tensor:
+    """The class of each of `features` [Q, D] by a weighted kNN vote over `bank` [N, D]: the k most
+    cosine-similar bank rows (ties: lower index first) each add exp(cos/temperature) to their class
+    in `bank_labels` [N]; the top class wins (ties: the smallest). MoCo's demo."""
     require(len(features) > 0, "no features to score")
     require(torch.isfinite(features).all(), "features are not finite")
     require(torch.isfinite(bank).all(), "the bank is not finite")
-    for name, y in (("labels", labels), ("bank_labels", bank_labels)):
-        integer = not y.dtype.is_floating_point and y.dtype != torch.bool
-        require(integer, f"{name} must be integer class indices, got {y.dtype}")
-        require(y.min() >= 0, f"{name} must be class indices ≥ 0, got {y.min()}")
+    integer = not bank_labels.dtype.is_floating_point and bank_labels.dtype != torch.bool
+    require(integer, f"bank_labels must be integer class indices, got {bank_labels.dtype}")
+    require(
+        bank_labels.min() >= 0, f"bank_labels must be class indices ≥ 0, got {bank_labels.min()}"
+    )
     require(1 <= k <= len(bank), f"k must lie in 1..{len(bank)} (the bank's rows), got {k}")
     features, bank = F.normalize(features, dim=1), F.normalize(bank, dim=1)
-    classes = int(max(labels.max(), bank_labels.max())) + 1
+    classes = int(bank_labels.max()) + 1
     block_size = block_size or BLOCK_ELEMENTS // len(bank) or 1
-    correct = 0
+    predicted = []
     for start in range(0, len(features), block_size):
         scores = features[start : start + block_size] @ bank.T
         top, index = scores.sort(dim=1, descending=True, stable=True)
         votes = top.new_zeros(len(top), classes)
         votes.scatter_add_(1, bank_labels[index[:, :k]], (top[:, :k] / temperature).exp())
-        correct += (votes.argmax(dim=1) == labels[start : start + block_size]).sum().item()
-    return correct / len(features)
+        predicted.append(votes.argmax(dim=1))
+    return torch.cat(predicted)

@@ -1,16 +1,13 @@
 """Run the notebooks headlessly with papermill in one profile, and merge what they measured into one
 table.
 
-A profile is a papermill parameter file per notebook, `notebooks/params/<notebook>.<profile>.yaml`
-(`ci`: the defaults). `-p NAME VALUE` (a YAML literal, or the text for a string), `--nproc` and
-`--backend` go to each selected notebook with that parameter, typed like its default; a name none
-has is refused before anything runs. A notebook's `output_dir` (where it trains) is
-DIR/work/<notebook> unless `-p output_dir` sets it. DIR gets the executed notebooks, `figures/`
-(PNGs named <notebook>_<name> by a cell tag `figure:<name>`, else <notebook>_in<execution count>),
-`results/` (the rows notebooks `record`), and `results.md` (their table), and `run.json` (what ran,
-how, how long). A DIR used before at the same clean commit keeps the rows of each notebook run again
-with the same parameters but `seeds`, so seeds may run in separate invocations: rows and seconds
-(all spent there, retries too) add up; figures show the last invocation. Else its rows go."""
+A profile is `notebooks/params/<notebook>.<profile>.yaml` (`ci`: the defaults). `-p NAME VALUE`
+(YAML, or the text for a string), `--nproc` and `--backend` go to each notebook with that parameter,
+typed like its default; a name none has is refused before anything runs. DIR gets the executed
+notebooks, `work/<notebook>` (their `output_dir` unless given), `figures/` (<notebook>_<name> by a
+cell tag `figure:<name>`, else <notebook>_in<execution count>), `results/` (the rows notebooks
+`record`), `results.md`, `results.csv` and `run.json`. Rerun into DIR at the same clean commit, a
+notebook with the same parameters but `seeds` keeps its rows and seconds; other rows go."""
 
 import argparse
 import ast
@@ -35,6 +32,7 @@ from gcbs_lib.results import (
     RESULTS_DIR_VARIABLE,
     build_table,
     current_commit,
+    read_outputs,
     read_rows,
     to_csv,
     to_markdown,
@@ -64,9 +62,7 @@ def typed(value, default, where: str):
     return as_type(value, Any if default is None else type(default), wrong)
 
 
-def plan(
-    notebooks: dict[Path, dict], profile: str, overrides: dict[str, tuple]
-) -> dict[Path, dict]:
+def plan(notebooks: dict[Path, dict], profile: str, overrides: dict[str, tuple]) -> dict:
     """Each notebook's papermill parameters: the profile's name and file, then the `overrides` it
     has (name -> (YAML value, text, flag)); a name no notebook has or a wrong type: ValueError."""
     unknown = [n for n in overrides if not any(n in values for values in notebooks.values())]
@@ -108,22 +104,17 @@ def execute(notebook: Path, parameters: dict, out: Path, prepare_only: bool = Fa
     """Run one notebook into `out` by papermill (python3, in its folder); what happened."""
     start = time.monotonic()
     executed = out / notebook.name
-    status = "prepared" if prepare_only else "ok"
-    outcome = {"parameters": parameters, "status": status, "error": ""}
+    outcome = dict(parameters=parameters, status="prepared" if prepare_only else "ok", error="")
     source = nbformat.read(notebook, as_version=4)
     for cell in source.cells:  # without the committed outputs, also in a prepared copy
         cell.update({"outputs": [], "execution_count": None} if cell.cell_type == "code" else {})
     try:
         options = dict(kernel_name="python3", cwd=notebook.parent, prepare_only=prepare_only)
         papermill.execute_notebook(source, executed, parameters=parameters, **options)
-    except papermill.PapermillExecutionError as error:
-        outcome.update(
-            status="failed",
-            error=f"cell In [{error.exec_count}] (starts "
-            f"`{error.source.partition(chr(10))[0]}`): {error.ename}: {error.evalue}",
-        )
-    # the kernel died or would not start: report it, go on with the others
-    except Exception as error:
+    except papermill.PapermillExecutionError as e:
+        where = f"cell In [{e.exec_count}] (starts `{e.source.partition(chr(10))[0]}`)"
+        outcome.update(status="failed", error=f"{where}: {e.ename}: {e.evalue}")
+    except Exception as error:  # the kernel died or would not start: go on with the others
         outcome.update(status="failed", error=f"{type(error).__name__}: {error}")
     if executed.exists() and not prepare_only:
         save_figures(executed, out / "figures")
@@ -154,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         parser.error(f"--output-dir {out} is a file, not a folder")
     try:
-        overrides = {
-            name: (yaml.safe_load(text), text, f"-p {name}") for name, text in args.parameter
-        }
+        overrides = {n: (yaml.safe_load(t), t, f"-p {n}") for n, t in args.parameter}
         flags = {"nproc": args.nproc, "backend": args.backend}
         overrides |= {k: (v, v, f"--{k}") for k, v in flags.items() if v}
         notebooks = discover(NOTEBOOKS, args.only)
@@ -168,20 +157,18 @@ def main(argv: list[str] | None = None) -> int:
             parameters["output_dir"] = str((out / "work" / notebook.stem).resolve())
     command = "python -m gcbs_lib.reproduce " + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = current_commit()
-    # code a commit names
     pinned = not args.prepare_only and "+dirty" not in commit and commit != "unknown"
     earlier = read_json(out / "run.json") if pinned and (out / "run.json").exists() else {}
-    kept = {}
+    kept = {}  # notebooks run before with these parameters (seeds may differ)
     for p, parameters in plans.items():
         entry = earlier.get("notebooks", {}).get(p.stem, {})
         ran = earlier.get("commit") == commit and entry.get("status") in ("ok", "failed")
-        # seeds may differ
         if ran and {**entry["parameters"], "seeds": None} == {**parameters, "seeds": None}:
             kept[p.stem] = entry
-    # a folder used before: its figures go, and its rows unless kept
-    shutil.rmtree(out / "figures", ignore_errors=True)
-    for stale in set(out.glob("results/*.json")) - {out / f"results/{s}.json" for s in kept}:
-        stale.unlink()
+    shutil.rmtree(out / "figures", ignore_errors=True)  # a folder used before
+    for stale in out.glob("results/*.json"):  # rows, and outputs.json beside them
+        if stale.name.split(".")[0] not in kept:
+            stale.unlink()
     (out / "figures").mkdir(parents=True)
     run = {
         "command": f"{earlier['command']} && {command}" if kept else command,
@@ -189,42 +176,34 @@ def main(argv: list[str] | None = None) -> int:
         "profile": args.profile,
         "cores": os.cpu_count(),
         "notebooks": dict(kept),  # kept: until each runs again
-        # other work on the machine slows what notebooks time
-        "load_average": round(os.getloadavg()[0], 1),
+        "load_average": round(os.getloadavg()[0], 1),  # other work slows what notebooks time
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):
         for notebook, parameters in plans.items():
-            outcome = execute(notebook, parameters, out, args.prepare_only)
-            spent_before = kept.get(notebook.stem, {}).get("seconds", 0)
-            outcome["seconds"] = round(outcome["seconds"] + spent_before, 1)
-            run["notebooks"][notebook.stem] = outcome
-            seconds = f"{outcome['seconds']:.0f} s"
-            print(f"{outcome['status']:>8}  {notebook.stem}  {seconds}  {outcome['error']}")
+            done = execute(notebook, parameters, out, args.prepare_only)
+            before = kept.get(notebook.stem, {}).get("seconds", 0)
+            done["seconds"] = round(done["seconds"] + before, 1)
+            run["notebooks"][notebook.stem] = done
+            print(f"{done['status']:>8}  {notebook.stem}  {done['seconds']:.0f} s  {done['error']}")
             write_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
-            if args.fail_fast and outcome["status"] == "failed":
+            if args.fail_fast and done["status"] == "failed":
                 break
-    rows = [row for path in sorted(out.glob("results/*.json")) for row in read_rows(path)]
-    lines = build_table(rows, run["commit"])
+    files = [path for path in sorted(out.glob("results/*.json")) if "." not in path.stem]
+    rows = [row for path in files for row in read_rows(path)]
+    lines = build_table(rows, commit, [run for path in files for run in read_outputs(path)])
     tables = [
         f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
         for name in dict.fromkeys(line.experiment for line in lines)  # one table per experiment
     ]
-    smoke = ""
-    if args.profile == "ci":
-        smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n"
-    heading = f"{smoke}# `{run['command']}`\n\nat {run['commit']}\n\n"
+    smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n"
+    heading = f"{smoke if args.profile == 'ci' else ''}# `{run['command']}`\n\nat {commit}\n\n"
     write_atomic(out / "results.md", heading + "\n".join(tables))
     write_atomic(out / "results.csv", to_csv(lines))
-    failed = [
-        f"FAILED {name}: {n['error']}\n    see {out / name}.ipynb"
-        for name, n in run["notebooks"].items()
-        if n["status"] == "failed"
-    ]
-    print(
-        "\n".join([f"results.md, results.csv and figures/ in {out}/", *failed]),
-        file=sys.stderr if failed else None,
-    )
+    failed = {n: r["error"] for n, r in run["notebooks"].items() if r["status"] == "failed"}
+    print(f"results.md, results.csv and figures/ in {out}/", file=sys.stderr if failed else None)
+    for name, error in failed.items():
+        print(f"FAILED {name}: {error}\n    see {out / name}.ipynb", file=sys.stderr)
     return 1 if failed else 0
 
 

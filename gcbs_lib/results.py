@@ -1,6 +1,7 @@
-"""Result rows (a results file is a JSON list of them), the paper-vs-kit table, and the README's
-table: `python -m gcbs_lib.results collect runs/<stamp>` copies a run's rows into results/ with
-their provenance; `python -m gcbs_lib.results readme` regenerates the README's cpu table."""
+"""Result rows (a results file is a JSON list of them) and their per-item test outputs, the
+paper-vs-kit table, and the README's table: `python -m gcbs_lib.results collect runs/<stamp>`
+copies a run's rows into results/ with their provenance; `readme` regenerates the README's cpu
+table; `verify` recomputes it, rows, intervals and verdicts, from the committed outputs."""
 
 import argparse
 import csv
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import scipy.stats
 
+from gcbs_lib import experiments, verdict
 from gcbs_lib.check import require
 from gcbs_lib.data import REPOSITORY, read_json, write_atomic
 
@@ -55,18 +57,41 @@ def read_rows(path: str | Path) -> list[dict]:
     return [check_row(r) for r in rows]
 
 
-def record(rows: list[dict], name: str) -> Path | None:
+def record(rows: list[dict], name: str, outputs: list[dict] = ()) -> Path | None:
     """Save a notebook's rows as `<name>.json` in the runner's folder, over the rows there of the
-    same arm, seed and metric (the runner keeps earlier rows only from the same commit and
-    settings); without the runner, nothing."""
+    same arm, seed and metric, and the runs' per-item test `outputs` ({experiment, arm, seed,
+    checkpoint, outputs} records) as `<name>.outputs.json` likewise (the runner keeps earlier files
+    only from the same commit and settings); without the runner, nothing."""
     if not (folder := os.environ.get(RESULTS_DIR_VARIABLE)):
         return None
     path = Path(folder) / f"{name}.json"
-    key = itemgetter("experiment", "arm", "seed", "metric")
-    rows = [check_row(row) for row in rows]
-    new = {key(row) for row in rows}
+    write_outputs(path, merged(read_outputs(path), outputs, "experiment arm seed checkpoint"))
     old = read_rows(path) if path.exists() else []
-    return write_rows(path, [row for row in old if key(row) not in new] + rows)
+    return write_rows(
+        path, merged(old, [check_row(row) for row in rows], "experiment arm seed metric")
+    )
+
+
+def merged(old: list[dict], new: list[dict], key: str) -> list[dict]:
+    """`new` after the records of `old` whose `key` fields no record of `new` has."""
+    fields = itemgetter(*key.split())
+    replaced = {fields(record) for record in new}
+    return [record for record in old if fields(record) not in replaced] + list(new)
+
+
+def read_outputs(rows_path: str | Path) -> list[dict]:
+    """The per-item test output records beside the rows file `rows_path`, in `<stem>.outputs.json`
+    ([] where none)."""
+    path = Path(rows_path).with_suffix(".outputs.json")
+    return read_json(path) if path.exists() else []
+
+
+def write_outputs(rows_path: str | Path, records: list[dict]) -> Path | None:
+    """Write `records` beside the rows file `rows_path` (see `read_outputs`), a record a line."""
+    if records:
+        lines = ",\n".join(json.dumps(record) for record in records)
+        return write_atomic(Path(rows_path).with_suffix(".outputs.json"), f"[\n{lines}\n]\n")
+    return None
 
 
 # A headline Δ (arm − random) of the paper on the metric's 0–1 scale (+1.0 % MRR is +0.010), for
@@ -91,13 +116,18 @@ PAPER_DELTAS = (
 # of one arm's values over seeds (sd None for one seed)
 Summary = namedtuple("Summary", "mean sd n")
 # One (experiment, metric, arm): the untrained start, random, the arm; the paired Δ (arm − random)
-# with its 95 % t-interval [low, high] over seeds both ran, the paper's Δ (PaperDelta or None), the
-# verdict, the differences by seed.
+# with its 95 % t-interval [low, high] over seeds both ran and its bootstrap interval [boot_low,
+# boot_high] over seeds and test items; the gate's reasons (empty: measurable); the verdict; the
+# paper's Δ (PaperDelta or None); the diagnostics of epoch 0 (random, arm) or None; the commit;
+# the differences by seed.
 TableLine = namedtuple(
     "TableLine",
-    "experiment metric arm model data profile start random kit delta low high paper "
-    "verdict commit differences",
+    "experiment metric arm model data profile start random kit delta low high boot_low boot_high "
+    "gate verdict paper loss_gap same_group commit differences",
 )
+# the checkpoint of per-item outputs → the prefix of its rows' metrics
+CHECKPOINTS = {"best": "test_", "last": "last_test_"}
+DIAGNOSTICS = ("loss_gap", "same_group_pairs")
 
 
 def summarize(values: list[float]) -> Summary | None:
@@ -120,30 +150,16 @@ def interval(differences: list[float]) -> tuple[float, float] | tuple[None, None
     return statistics.fmean(differences) - half, statistics.fmean(differences) + half
 
 
-def verdict(
-    arm: str, metric: str, low: float | None, high: float | None, paper: PaperDelta | None
-) -> str:
-    """ "GCBS better" (the interval above 0; below 0 for a rank), "GCBS worse", else "not resolved";
-    and where the paper's Δ lies."""
-    if low is None:
-        return "not resolved (fewer than 2 paired seeds)"
-    # a lower rank is better
-    gain = sorted((-high, -low) if metric.endswith("median_rank") else (low, high))
-    name = {"gcbs": "GCBS"}.get(arm, arm)
-    said = "not resolved"
-    if gain[0] > 0:
-        said = f"{name} better"
-    if gain[1] < 0:
-        said = f"{name} worse"
-    inside = [d for d in (paper.deltas if paper else ()) if low <= d <= high]
-    if paper and paper.deltas:
-        where = "; inside it: paper Δ " + deltas_text(inside)
-        if len(inside) == len(paper.deltas):
-            where = "; paper Δ inside the interval"
-        if not inside:
-            where = "; paper Δ outside it"
-        said += where
-    return said
+def where_paper(paper: PaperDelta | None, low: float, high: float) -> str:
+    """Where the paper's Δs lie against the interval [low, high]; "" where it states none."""
+    if not (paper and paper.deltas):
+        return ""
+    inside = [d for d in paper.deltas if low <= d <= high]
+    if len(inside) == len(paper.deltas):
+        return "; paper Δ inside the interval"
+    if not inside:
+        return "; paper Δ outside it"
+    return "; inside it: paper Δ " + deltas_text(inside)
 
 
 def deltas_text(deltas) -> str:
@@ -168,10 +184,12 @@ def current_commit() -> str:
         return "unknown"
 
 
-def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
-    """The table lines of `rows`, made at `commit`, one per arm other than the baselines "start" and
-    "random" (or one without an arm where there is none), never pooling rows of different
-    experiment, model, data, profile or metric."""
+def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) -> list[TableLine]:
+    """The table lines of `rows`, made at `commit`, one per metric and arm other than the baselines
+    "start", "random" and "baseline-*" (or one without an arm where there is none), never pooling
+    rows of different experiment, model, data, profile or metric; the last step's rows and the
+    diagnostics feed the lines of their test metric. With the runs' per-item `outputs` (records of
+    `record`), a test metric's line gets its bootstrap interval, the gate and a verdict."""
     groups = {}
     for row in map(check_row, rows):
         arms = groups.setdefault(
@@ -180,22 +198,64 @@ def build_table(rows: list[dict], commit: str = "") -> list[TableLine]:
         seeds = arms.setdefault(row["arm"], {})
         require(row["seed"] not in seeds, f"two rows for the same seed: {row}")
         seeds[row["seed"]] = row["value"]
+    runs = {}
+    for record in outputs:
+        key = (record["experiment"], record["arm"], record["checkpoint"])
+        runs.setdefault(key, {})[record["seed"]] = record["outputs"]
     lines = []
     for (experiment, model, data, profile, metric), arms in groups.items():
+        if metric.startswith("last_") or "@epoch" in metric:
+            continue
         random, start = arms.get("random", {}), arms.get("start", {})
-        for arm in [a for a in arms if a not in ("start", "random")] or [None]:
+        trivial = [
+            statistics.fmean(v.values()) for a, v in arms.items() if a.startswith("baseline")
+        ]
+        shown = [a for a in arms if a not in ("start", "random") and not a.startswith("baseline")]
+        for arm in shown or [None]:
             values = arms.get(arm, {})
             differences = [values[s] - random[s] for s in sorted(set(values) & set(random))]
             paper = paper_delta(experiment, arm, metric, data)
-            low, high = interval(differences)
             names = (experiment, metric, arm, model, data, profile)
             summaries = [summarize(list(seeds.values())) for seeds in (start, random, values)]
             delta = statistics.fmean(differences) if differences else None
-            said = verdict(arm, metric, low, high, paper) if differences else ""
+            judged = (None, None, [], "")
+            if differences and metric.startswith("test_"):
+                baseline = trivial[0] if trivial else None
+                judged = judge(runs, experiment, metric, arm, summaries, baseline, paper)
+            measured = (delta, *interval(differences), *judged)
+            gaps = [first_epoch(groups, names[:1] + names[3:], name, arm) for name in DIAGNOSTICS]
             lines.append(
-                TableLine(*names, *summaries, delta, low, high, paper, said, commit, differences)
+                TableLine(*names, *summaries, *measured, paper, *gaps, commit, differences)
             )
     return lines
+
+
+def first_epoch(groups: dict, where: tuple, name: str, arm: str) -> tuple[float, float] | None:
+    """The means over seeds of the diagnostic `name` at epoch 0 of random and `arm`, rows grouped
+    by (`where` = experiment, model, data, profile; metric); None where one is missing."""
+    diagnostic = groups.get((*where, f"{name}@epoch0"), {})
+    means = [summarize(list(diagnostic.get(a, {}).values())) for a in ("random", arm)]
+    return tuple(m.mean for m in means) if all(means) else None
+
+
+def judge(runs: dict, experiment, metric, arm, summaries, baseline, paper) -> tuple:
+    """(boot_low, boot_high, the gate's reasons, the verdict) of a test metric's line from the runs'
+    per-item outputs {(experiment, arm, checkpoint): {seed: Outputs}}."""
+    if (experiment, arm, "best") not in runs:
+        return None, None, [], "no per-item test outputs: no verdict"
+    name = metric.removeprefix("test_")
+    intervals = {}
+    for checkpoint in ("best", "last"):
+        if (experiment, arm, checkpoint) in runs:
+            ours, theirs = (runs[experiment, a, checkpoint] for a in (arm, "random"))
+            intervals[checkpoint] = verdict.bootstrap(experiment, ours, theirs)[name]
+    random = runs[experiment, "random", "best"]
+    band = verdict.chance_band(experiment, random[min(random)])[name]
+    reasons = verdict.gate(metric, summaries[0], summaries[1], band, baseline)
+    said = verdict.verdict(arm, metric, intervals["best"], intervals.get("last"), reasons)
+    if not reasons:
+        said += where_paper(paper, *intervals["best"])
+    return (*intervals["best"], reasons, said)
 
 
 def number(x: float, scale: float | None = None, *, digits: int = 4, signed: bool = False) -> str:
@@ -210,8 +270,9 @@ def number(x: float, scale: float | None = None, *, digits: int = 4, signed: boo
 
 
 def to_markdown(lines: list[TableLine]) -> str:
-    """The table in GitHub markdown: start | random | arm (mean ± sd, n) | Δ [95 % CI] | paper Δ |
-    verdict | …, sds and Δs rounded to the decimals of their mean (see `number`)."""
+    """The table in GitHub markdown: start | random | arm (mean ± sd, n) | Δ [95 % t-interval] |
+    [95 % bootstrap] | paper Δ | verdict | epoch-0 diagnostics | …, sds and Δs rounded to the
+    decimals of their mean (see `number`)."""
 
     def summary(s: Summary | None) -> str:
         if s is None:
@@ -219,10 +280,15 @@ def to_markdown(lines: list[TableLine]) -> str:
         sd = "" if s.sd is None else f" ± {number(s.sd, s.mean, digits=2)}"
         return f"{number(s.mean)}{sd} (n={s.n})"
 
+    def pair(values: tuple | None, scale: float | None = None, signed: bool = False) -> str:
+        return "" if values is None else " / ".join(number(v, scale, signed=signed) for v in values)
+
     out = [
-        "| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ [95 % CI] | paper Δ "
-        "| verdict | data | model | profile | commit |",
-        "|---" * 13 + "|",
+        "| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ [95 % t, seeds] "
+        "| Δ 95 % bootstrap (seeds × test items) | paper Δ | verdict | loss gap, epoch 0 "
+        "(random / arm) | same-group pairs, epoch 0 (random / arm) | data | model | profile "
+        "| commit |",
+        "|---" * 16 + "|",
     ]
     for line in lines:
         scale = (line.random or line.kit or line.start).mean
@@ -231,31 +297,36 @@ def to_markdown(lines: list[TableLine]) -> str:
             paper = f"{deltas_text(line.paper.deltas) or 'none reported'} ({line.paper.source})"
         delta = "" if line.delta is None else number(line.delta, scale, signed=True)
         if line.low is not None:
-            low, high = (number(x, scale, signed=True) for x in (line.low, line.high))
-            delta += f" [{low}, {high}]"
+            delta += f" [{pair((line.low, line.high), scale, True).replace(' / ', ', ')}]"
+        boot = ""
+        if line.boot_low is not None:
+            boot = f"[{pair((line.boot_low, line.boot_high), scale, True).replace(' / ', ', ')}]"
         summaries = [summary(s) for s in (line.start, line.random)]
-        cells = (line.experiment, line.metric, *summaries, line.arm, summary(line.kit), delta)
-        cells += (paper, line.verdict, line.data, line.model, line.profile, line.commit)
+        cells = (line.experiment, line.metric, *summaries, line.arm, summary(line.kit), delta, boot)
+        cells += (paper, line.verdict, pair(line.loss_gap), pair(line.same_group))
+        cells += (line.data, line.model, line.profile, line.commit)
         out.append("| " + " | ".join((c or "—").replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"
 
 
 def to_csv(lines: list[TableLine]) -> str:
     """The table as CSV, numbers unrounded: one row per line, the mean, sd and n of start, random
-    and the arm, then Δ, its interval, the paper's Δ and the verdict."""
+    and the arm, then Δ, its intervals, the paper's Δ, the gate, the verdict and the diagnostics."""
     out = io.StringIO()
     writer = csv.writer(out)
     summaries = [f"{who}_{part}" for who in ("start", "random", "arm") for part in Summary._fields]
     names = list(TableLine._fields[:6])  # experiment metric arm model data profile
-    tail = ["delta", "low", "high", "paper_delta", "verdict", "commit"]
-    writer.writerow(names + summaries + tail)
+    diagnostics = [f"{name}_{who}" for name in DIAGNOSTICS for who in ("random", "arm")]
+    tail = ["delta", "low", "high", "boot_low", "boot_high", "paper_delta", "gate", "verdict"]
+    writer.writerow(names + summaries + tail + diagnostics + ["commit"])
     for line in lines:
         arms = (line.start, line.random, line.kit)
         stats = [s and getattr(s, part) for s in arms for part in Summary._fields]
         paper = deltas_text(line.paper.deltas) if line.paper else ""
-        writer.writerow(
-            [*line[:6], *stats, line.delta, line.low, line.high, paper, line.verdict, line.commit]
-        )
+        numbers = [line.delta, line.low, line.high, line.boot_low, line.boot_high]
+        diagnosed = [*(line.loss_gap or (None, None)), *(line.same_group or (None, None))]
+        said = [paper, "; ".join(line.gate), line.verdict]
+        writer.writerow([*line[:6], *stats, *numbers, *said, *diagnosed, line.commit])
     return out.getvalue()
 
 
@@ -266,18 +337,18 @@ def provenance(folder: str | Path = COMMITTED) -> dict:
 
 
 def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
-    """Copy the rows of a runner folder's notebooks that ran to the end into `folder`, as
-    `<notebook>.<profile>.json`, noting in its provenance.json how they were made."""
+    """Copy the rows (and per-item outputs) of a runner folder's notebooks that ran to the end into
+    `folder`, as `<notebook>.<profile>.json`, noting in its provenance.json how they were made."""
     run_dir, folder = Path(run_dir), Path(folder)
     run = read_json(run_dir / "run.json")
     made = provenance(folder)
     written = []
     for source in sorted((run_dir / "results").glob("*.json")):
         if run["notebooks"].get(source.stem, {}).get("status") == "ok":
-            written.append(
-                write_rows(folder / f"{source.stem}.{run['profile']}.json", read_rows(source))
-            )
-            made[written[-1].name] = {
+            target = folder / f"{source.stem}.{run['profile']}.json"
+            written.append(write_rows(target, read_rows(source)))
+            write_outputs(target, read_outputs(source))
+            made[target.name] = {
                 "date": run["started"],
                 "seconds": run["notebooks"][source.stem]["seconds"],
                 **{k: run[k] for k in ("command", "commit", "cores", "load_average")},
@@ -287,20 +358,51 @@ def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
     return written
 
 
-def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool = False) -> bool:
-    """Rewrite the README's table (between its markers) of the committed `*.cpu.json` rows, less dev
-    metrics, at each file's commit, with each run's time; `check`: only compare. True if current."""
+def committed_table(folder: str | Path = COMMITTED) -> tuple[list[TableLine], list[str]]:
+    """The lines of the committed `*.cpu.json` rows less dev metrics, at each file's commit, with
+    their per-item outputs; and each run's wall time."""
     made = provenance(folder)
     lines = []
     times = []
     for f in sorted(Path(folder).glob("*.cpu.json")):
         how = made.get(f.name, {})
         rows = [r for r in read_rows(f) if not r["metric"].startswith("dev_")]
-        lines += build_table(rows, how.get("commit", ""))
+        lines += build_table(rows, how.get("commit", ""), read_outputs(f))
         if how.get("seconds"):
             times.append(
                 f"{f.name.partition('.')[0]} {how['seconds'] / 60:.0f} min on {how['cores']} cores"
             )
+    return lines, times
+
+
+def verify(folder: str | Path = COMMITTED, readme=REPOSITORY / "README.md") -> str | None:
+    """Recompute every committed row of a test metric from its per-item outputs, and the README's
+    table (intervals, gates, verdicts) from both: the first disagreement, or None."""
+    for f in sorted(Path(folder).glob("*.*.json")):
+        if f.name.endswith(".outputs.json"):
+            continue
+        rows = {itemgetter("experiment", "arm", "seed", "metric")(r): r for r in read_rows(f)}
+        for run in read_outputs(f):
+            scores = experiments.get(run["experiment"]).scores(run["outputs"])
+            for metric, value in scores.items():
+                key = (
+                    run["experiment"],
+                    run["arm"],
+                    run["seed"],
+                    CHECKPOINTS[run["checkpoint"]] + metric,
+                )
+                if key not in rows or not math.isclose(rows[key]["value"], value, rel_tol=1e-12):
+                    found = rows[key]["value"] if key in rows else "no row"
+                    return f"{f.name}: {key} is {found}, its per-item outputs give {value}"
+    if not update_readme(readme, folder, check=True):
+        return f"{readme}: its table differs from the one the committed rows and outputs give"
+    return None
+
+
+def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool = False) -> bool:
+    """Rewrite the README's table (between its markers) of the committed `*.cpu.json` rows
+    (`committed_table`), with each run's time; `check`: only compare. True if current."""
+    lines, times = committed_table(folder)
     table = to_markdown(lines) + f"\nMeasured wall time of each run: {', '.join(times)}\n"
     text = Path(readme).read_text()
     if text.count(README_START) != 1 or text.count(README_END) != 1:
@@ -318,7 +420,12 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m gcbs_lib.results", description=__doc__.split("\n")[0]
     )
     add = parser.add_argument
-    add("command", choices=("collect", "readme"), help="collect RUN_DIR, or readme")
+    add(
+        "command",
+        choices=("collect", "readme", "verify"),
+        help="collect RUN_DIR; readme: regenerate the table; verify: recompute it, exit 1 on a "
+        "disagreement",
+    )
     add("run_dir", type=Path, nargs="?", help="collect: a folder written by gcbs_lib.reproduce")
     add("--results-dir", type=Path, default=COMMITTED, help="committed rows (default: results/)")
     add("--readme", type=Path, default=REPOSITORY / "README.md")
@@ -326,6 +433,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "collect" and args.run_dir is None:
         parser.error("collect needs RUN_DIR")
     try:  # a missing or corrupt file: one line, no traceback
+        if args.command == "verify":
+            disagreement = verify(args.results_dir, args.readme)
+            print(disagreement or f"{args.results_dir}: every row, interval and verdict recomputes")
+            raise SystemExit(1 if disagreement else 0)
         if args.command == "collect":
             for path in collect(args.run_dir, args.results_dir):
                 print(f"wrote {path}")

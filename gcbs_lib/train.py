@@ -55,14 +55,11 @@ class TrainConfig:
     lr: float = 2e-5
     weight_decay: float = 0.0
     optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: with momentum 0.9 (its weight decay is L2)
-    # after `warmup_steps` of linear warmup
-    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    schedule: Literal["linear", "cosine", "constant"] = "linear"  # after linear warmup
     warmup_steps: int = 0
     clip_norm: float | None = 1.0
-    # parameters' dtype (float64: exact comparisons in tests)
-    dtype: Literal["float32", "float64"] = "float32"
-    # bf16, fp16: forward and loss under autocast (fp16: the loss scaled by a GradScaler)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dtype: Literal["float32", "float64"] = "float32"  # of parameters (float64: exact tests)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16, fp16: autocast (fp16: GradScaler)
     scale: float = 20.0  # logit scale 1/τ (the start value when learnable)
     learnable_scale: bool = False
     max_scale: float = 100.0
@@ -71,8 +68,7 @@ class TrainConfig:
     mine_skip: int = 3  # mining: top ranks skipped as likely false negatives
     embed_batch_size: int = 256
     log_loss_gap: bool = True  # log the loss gap of each epoch's planned batches
-    # each epoch plans (embeds, orders, mines) and trains on this many items, drawn afresh
-    plan_sample: int | None = None
+    plan_sample: int | None = None  # each epoch plans and trains on this many items, drawn afresh
     eval_every: int = 0  # dev evaluation every N steps (0: at each epoch end only)
     checkpoint_every: int = 100
     sync_check_every: int = 0  # DDP: compare parameters and gradients across ranks every N steps
@@ -109,9 +105,8 @@ def load_config(
     sections = yaml.safe_load((CONFIG_DIR / f"{experiment}.yaml").read_text())
     known = sorted(set(sections) - {"common"})
     require(profile in known, f"unknown profile {profile!r} for {experiment}; known: {known}")
-    train_types = {
-        k: v for k, v in get_type_hints(TrainConfig).items() if k not in ("experiment", "options")
-    }
+    train_types = get_type_hints(TrainConfig)
+    del train_types["experiment"], train_types["options"]
     types = {**get_type_hints(options_class), **train_types}
     values = {}
     merged = {**(sections.get("common") or {}), **(sections[profile] or {}), "profile": profile}
@@ -122,10 +117,8 @@ def load_config(
                 f"{experiment} keys: {', '.join(sorted(set(types) - set(train_types)))}"
             )
         values[key] = _typed(key, value, types[key])
-    options = options_class(**{k: v for k, v in values.items() if k not in train_types})
-    return TrainConfig(
-        experiment, options=options, **{k: v for k, v in values.items() if k in train_types}
-    )
+    train_values = {k: values.pop(k) for k in list(values) if k in train_types}
+    return TrainConfig(experiment, options=options_class(**values), **train_values)
 
 
 def code_fingerprint() -> dict:
@@ -155,10 +148,10 @@ class RunFolder:
 
     def __init__(self, folder: str | Path, config: TrainConfig, main: bool):
         self.dir = Path(folder)
-        if self.dir.exists() and not self.dir.is_dir():
-            raise ValueError(
-                f"output directory {self.dir} is a file: name a folder (made if missing)"
-            )
+        require(
+            not self.dir.exists() or self.dir.is_dir(),
+            f"output directory {self.dir} is a file: name a folder (made if missing)",
+        )
         self.config = config
         self.main = main
         self.log_lines = 0  # what metrics.jsonl holds of this run
@@ -188,11 +181,11 @@ class RunFolder:
         old = state.get("config", settings)
         # a key missing from `old` came after it: a redo
         changed = [k for k, v in settings.items() if k not in RESUMABLE and old.get(k, v) != v]
-        if changed:
-            raise ValueError(
-                f"{path} was written with other settings ({', '.join(changed)}): use another "
-                "output directory, or the same settings to resume"
-            )
+        require(
+            not changed,
+            f"{path} was written with other settings ({', '.join(changed)}): use another "
+            "output directory, or the same settings to resume",
+        )
         say = tqdm.write if self.main else lambda message: None
         if redo:
             say(
@@ -288,11 +281,9 @@ class Trainer:
         dtype = getattr(torch, config.dtype)
         self.model = self.experiment.build_model().to(self.device, dtype)
         self.scale = config.scale
+        self.stateful = {"model": self.model}  # what checkpoint.pt restores (more below)
         if config.learnable_scale:
             self.scale = losses.LogitScale(config.scale, config.max_scale).to(self.device, dtype)
-        # what checkpoint.pt restores, with the optimizer and scheduler below
-        self.stateful = {"model": self.model}
-        if config.learnable_scale:
             self.stateful["scale"] = self.scale
         self.parameters = [
             p for part in self.stateful.values() for p in part.parameters() if p.requires_grad
@@ -357,7 +348,7 @@ class Trainer:
 
     def _evaluate_dev(self) -> None:
         """Score the model on dev and log it; rank 0 keeps the best so far as best.pt."""
-        scores = self._in_eval_mode(self.experiment.evaluate, "dev")
+        scores = self.experiment.scores(self._in_eval_mode(self.experiment.evaluate, "dev"))
         value = scores[self.experiment.dev_metric]
         if self.best["value"] is None or value > self.best["value"]:
             self.best = {"value": value, "step": self.step}
@@ -367,7 +358,7 @@ class Trainer:
 
     def _plan_epoch(self) -> dict:
         """Each rank embeds its share of the epoch's items (all, or `plan_sample` drawn at random);
-        rank 0 alone gathers them, plans, logs cost and loss gap; every rank gets the plan."""
+        rank 0 alone gathers them, plans, logs cost and diagnostics; every rank gets the plan."""
         config = self.config
         start = time.perf_counter()
         items = torch.arange(self.train_set.size)
@@ -395,6 +386,10 @@ class Trainer:
                 record["loss_gap"] = gcbs.loss_gap(
                     z1[rows], z2[rows], torch.arange(len(rows)), config.batch_size, tau
                 )
+            groups = self.train_set.groups or self.train_set.duplicate_keys
+            if groups is not None:
+                groups = [groups[i] for i in items.tolist()]
+                record["same_group_pairs"] = gcbs.same_group_pairs(positions["batches"], groups)
             self.run.log(record)
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
@@ -446,8 +441,7 @@ class Trainer:
         judged = {"the loss": global_loss, "the gradient norm": grad_norm}
         if self.scaler.is_enabled():  # fp16: an overflow skips its step (the scaler's `step`)
             del judged["the gradient norm"]
-        for what, value in judged.items():
-            # nothing changed yet: the last checkpoint holds the last good state
+        for what, value in judged.items():  # nothing changed yet: the checkpoint is still good
             if not torch.isfinite(value):
                 raise TrainingDiverged(
                     f"{what} is not finite at step {self.step + 1} (scale {self._scale():g}, lr "
@@ -486,28 +480,37 @@ class Trainer:
         self.model.train()
         return result
 
-    def score(self, split: str) -> list[dict]:
-        """The model's scores on `split` as result rows, metrics named `<split>_<name>`."""
+    def score(self, prefix: str = "test_") -> tuple[list[dict], experiments.Outputs]:
+        """The model's per-item test outputs, and their scores as result rows named
+        `<prefix><metric>`."""
+        outputs = self._in_eval_mode(self.experiment.evaluate, "test")
+        return self.result_rows(self.experiment.scores(outputs), prefix), outputs
+
+    def result_rows(self, scores: dict[str, float], prefix: str, suffix: str = "") -> list[dict]:
+        """`scores` as result rows of this run, metrics `<prefix><name><suffix>`."""
         config, experiment = self.config, self.experiment
-        arm = config.arm or config.sampler
-        fields = dict(experiment=config.experiment, arm=arm, seed=config.seed)
-        fields.update(
-            profile=config.profile, data=experiment.data_name, model=experiment.model_name
-        )
+        model = experiment.model_name
+        fields = dict(experiment=config.experiment, arm=config.arm or config.sampler)
+        fields.update(seed=config.seed, profile=config.profile, data=experiment.data_name)
         return [
-            results.result_row(metric=f"{split}_{metric}", value=value, **fields)
-            for metric, value in self._in_eval_mode(experiment.evaluate, split).items()
+            results.result_row(metric=f"{prefix}{m}{suffix}", value=v, model=model, **fields)
+            for m, v in scores.items()
         ]
 
     def _summary(self) -> dict:
-        """Score best.pt on test into results.json, with its dev score; return the run's summary."""
+        """Score the last step's model and best.pt on test (per-item outputs in outputs.json) into
+        results.json, with best.pt's dev score and each epoch's diagnostics; return a summary."""
         config = self.config
+        last_rows, last = self.score("last_test_")
         best = load_checkpoint(self.run.dir / "best.pt")
         self.model.load_state_dict(best["model"])
-        rows = self.score("test")
-        dev = {**rows[0], "metric": f"dev_{self.experiment.dev_metric}", "value": best["value"]}
-        rows.append(results.result_row(**dev))
+        rows, outputs = self.score()
+        rows += self.result_rows({self.experiment.dev_metric: best["value"]}, "dev_") + last_rows
+        for epoch in self.run.records("epoch"):  # the diagnostics: loss_gap@epoch0, ...
+            diagnostics = {k: v for k, v in epoch.items() if k in ("loss_gap", "same_group_pairs")}
+            rows += self.result_rows(diagnostics, "", f"@epoch{epoch['epoch']}")
         results.write_rows(self.run.dir / "results.json", rows)
+        write_atomic(self.run.dir / "outputs.json", json.dumps({"best": outputs, "last": last}))
         return {
             "output_dir": str(self.run.dir),
             "experiment": config.experiment,
@@ -517,6 +520,7 @@ class Trainer:
             "steps_per_epoch": self.steps_per_epoch,
             "best_step": self.best.get("step"),
             "rows": rows,
+            "outputs": {"best": outputs, "last": last},
             "epochs": self.run.records("epoch"),
             "dev": self.run.records("eval"),
             "test": {r["metric"][5:]: r["value"] for r in rows if r["metric"].startswith("test_")},

@@ -56,6 +56,7 @@ from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
     first_gap_no_larger,
+    outputs_of,
     plot_deltas,
     plot_over_seeds,
     rows_of,
@@ -151,8 +152,10 @@ print(cmp_table(gradcache_checks))
 # %% [markdown]
 # ## 4 · How many seeds
 #
-# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0.
-# Over $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
+# A verdict follows the protocol of notebook 04 (section 3): the 95 % interval of
+# $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ from a paired bootstrap over seeds and test pairs
+# must clear 0, on best-dev checkpoints and on the last step alike, and only where the gate passes (chance: the gold scores shuffled across pairs; trivial baseline: TF-IDF of character n-grams).
+# The $t$-interval over $n$ paired seeds alone has half-width $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
 # the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
 # `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
 # measured is in the README's table.
@@ -188,7 +191,7 @@ summaries = run_arms(
 # %%
 deltas = arms_table(summaries, stand_in="NOT STS")
 rows = rows_of(summaries)
-record(rows, "06_gcbs_promcse")
+record(rows, "06_gcbs_promcse", outputs_of(summaries))
 line = deltas["gcbs/test_spearman"]
 print(f"verdict on test Spearman: {line.verdict}")
 

@@ -75,6 +75,7 @@ from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
+    outputs_of,
     plot_deltas,
     plot_over_seeds,
     rows_of,
@@ -508,8 +509,10 @@ for (s, k, _seed), metrics in sweep.items():
 # untrained model scored too (`start`); Δ = mean over seeds of (GCBS − random) test R@10, with the 95 %
 # t-interval of the paired differences: *GCBS better* above 0, *GCBS worse* below, else *not resolved*.
 #
-# **How many seeds.** A verdict needs the 95 % interval of
-# $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0. Over $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
+# **How many seeds, and what a verdict needs.** A verdict follows the protocol of notebook 04 (section 3): the 95 % interval of
+# $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ from a paired bootstrap over seeds and test clips
+# must clear 0, on best-dev checkpoints and on the last step alike, and only where the gate passes (chance: each caption's clip drawn at random; no trivial baseline).
+# The $t$-interval over $n$ paired seeds alone has half-width $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
 # the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
 # `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
 # measured is in the README's table.
@@ -672,7 +675,7 @@ result_rows += [
     for n, pair in zip(captions_n, peaks)
     for arm, p in zip(("full", "chunked"), pair)
 ]
-record(result_rows, "07_milnce_howto100m")
+record(result_rows, "07_milnce_howto100m", outputs_of(summaries))
 print(len(result_rows), "result rows")
 
 # %% [markdown]

@@ -55,6 +55,7 @@ from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
+    outputs_of,
     plot_deltas,
     plot_over_seeds,
     rows_of,
@@ -213,8 +214,10 @@ plt.show()
 # %% [markdown]
 # ## 6 · How many seeds
 #
-# A verdict needs the 95 % interval of $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ to clear 0.
-# Over $n$ paired seeds its half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
+# A verdict follows the protocol of notebook 04 (section 3): the 95 % interval of
+# $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ from a paired bootstrap over seeds and test images
+# must clear 0, on best-dev checkpoints and on the last step alike, and only where the gate passes (chance: the labels shuffled across images; trivial baseline: the same kNN vote on raw pixels).
+# The $t$-interval over $n$ paired seeds alone has half-width $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
 # the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
 # `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
 # measured is in the README's table.
@@ -236,7 +239,7 @@ half_width = committed_plan("08_gcbs_moco", "moco", "test_knn_accuracy")
 summaries = run_arms("moco", profile, arms, seeds, Path(output_dir) / profile / data, settings)
 lines = arms_table(summaries, stand_in="NOT CIFAR-10")  # the GCBS paper gives no MoCo number
 rows = rows_of(summaries)
-record(rows, "08_gcbs_moco")
+record(rows, "08_gcbs_moco", outputs_of(summaries))
 line = lines["gcbs/test_knn_accuracy"]
 print(f"verdict: {line.verdict}")
 

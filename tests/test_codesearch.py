@@ -96,7 +96,9 @@ def test_mined_negatives_follow_their_query_s_positive_and_the_loss_is_in_batch_
 def test_evaluation_ranks_each_query_against_the_whole_pool(codesearch):
     experiment, model = codesearch
     with torch.no_grad():
-        scores = experiment.evaluate(model, "test")
+        outputs = experiment.evaluate(model, "test")
+    assert outputs["queries"]["candidates"] == [12] * len(outputs["queries"]["rank"])
+    scores = experiment.scores(outputs)
     assert set(scores) == {"mrr", "recall@1", "recall@10"} and 1 / 12 <= scores["mrr"] <= 1
     z1, z2 = experiment.pair_embeddings(model, torch.arange(12))
     assert z1.shape == z2.shape == (12, 8)
@@ -176,6 +178,6 @@ def test_pool_keys_missing_or_repeated_are_counted_when_the_data_loads_and_score
     task = experiment.tasks["test"]
     assert task.codes == ["c 0", "c 1", "c 2"] and task.positive.tolist() == [0, 1, 2, -1]
     with torch.no_grad():
-        scores = experiment.evaluate(experiment.build_model().eval(), "test")
+        scores = experiment.scores(experiment.evaluate(experiment.build_model().eval(), "test"))
     # the pool holds 3 codes: only u3 misses
     assert scores["recall@10"] == 0.75 and scores["mrr"] <= 0.75

@@ -9,7 +9,13 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow, reverse_cuthill_mckee
 
 from gcbs_lib import gcbs
-from gcbs_lib.gcbs import gcbs_batches, gcbs_permutation, loss_gap, published_permutation
+from gcbs_lib.gcbs import (
+    gcbs_batches,
+    gcbs_permutation,
+    loss_gap,
+    published_permutation,
+    same_group_pairs,
+)
 from gcbs_lib.seeding import generator, stream_seed
 
 BATCH, TAU = 32, 0.05
@@ -460,3 +466,11 @@ def test_the_published_order_is_computed_without_tf32_and_leaves_the_setting_as_
         assert set(seen) == {"highest"} and torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision("highest")
+
+
+def test_same_group_pairs_is_the_share_of_in_batch_pairs_that_share_a_group():
+    batches = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    # batch 0: items 0, 1 share "a" (1 pair of 3); batch 1: all three share "b" (3 of 3)
+    groups = ["a", "a", "c", "b", "b", "b"]
+    assert same_group_pairs(batches, groups) == pytest.approx(4 / 6)
+    assert same_group_pairs(batches, range(6)) == 0.0

@@ -6,7 +6,7 @@ import scipy.stats
 import torch
 
 from gcbs_lib.metrics import (
-    knn_accuracy,
+    knn_predict,
     median_rank,
     mrr,
     ranks,
@@ -152,22 +152,15 @@ def test_spearman_refuses_bad_input(x, y, message):
 
 
 def knn_label(query, bank, bank_labels, k, temperature=1.0):
-    """The class `knn_accuracy` predicts for one query: the label it scores as correct."""
-    hits = [
-        c
-        for c in range(4)
-        if knn_accuracy(
-            torch.tensor([query]),
-            torch.tensor([c]),
-            torch.tensor(bank),
-            torch.tensor(bank_labels),
-            k=k,
-            temperature=temperature,
-        )
-        == 1.0
-    ]
-    assert len(hits) == 1
-    return hits[0]
+    """The class `knn_predict` gives one query."""
+    (label,) = knn_predict(
+        torch.tensor([query]),
+        torch.tensor(bank),
+        torch.tensor(bank_labels),
+        k=k,
+        temperature=temperature,
+    ).tolist()
+    return label
 
 
 def test_knn_votes_weigh_each_neighbour_by_exp_cosine_over_tau():
@@ -187,43 +180,29 @@ def test_knn_ties_take_the_lower_bank_index_then_the_smaller_class():
     assert knn_label([1.0, 0.0], bank, labels, k=3) == 1
 
 
-def test_knn_accuracy_counts_correct_queries_in_blocks():
+def test_knn_predict_votes_block_by_block_as_at_once():
     torch.manual_seed(0)
     bank = torch.randn(50, 8)
     bank_labels = torch.randint(0, 3, (50,))
     queries = bank[:20] + 0.01 * torch.randn(20, 8)
-    whole = knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=1)
-    assert (
-        whole == 1.0
-        and knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=1, block_size=3) == 1.0
+    whole = knn_predict(queries, bank, bank_labels, k=1)
+    assert whole.equal(bank_labels[:20])
+    assert knn_predict(queries, bank, bank_labels, k=5, block_size=3).equal(
+        knn_predict(queries, bank, bank_labels, k=5)
     )
-    shuffled = knn_accuracy(
-        queries, (bank_labels[:20] + 1) % 3, bank, bank_labels, k=1, block_size=7
-    )
-    assert shuffled == 0.0
     with pytest.raises(ValueError, match="k must lie in 1..50"):
-        knn_accuracy(queries, bank_labels[:20], bank, bank_labels, k=51)
+        knn_predict(queries, bank, bank_labels, k=51)
 
 
 @pytest.mark.parametrize(
-    "features, labels, bank_labels, message",
+    "features, bank_labels, message",
     [
-        (
-            torch.zeros(0, 2),
-            torch.zeros(0, dtype=torch.long),
-            torch.tensor([0, 1]),
-            "no features to score",
-        ),
-        (torch.ones(1, 2), torch.tensor([0.0]), torch.tensor([0, 1]), "labels must be integer"),
-        (torch.ones(1, 2), torch.tensor([0]), torch.tensor([0, -1]), "bank_labels must be class"),
-        (
-            torch.tensor([[float("nan"), 1.0]]),
-            torch.tensor([0]),
-            torch.tensor([0, 1]),
-            "features are not finite",
-        ),
+        (torch.zeros(0, 2), torch.tensor([0, 1]), "no features to score"),
+        (torch.ones(1, 2), torch.tensor([0.0, 1.0]), "bank_labels must be integer"),
+        (torch.ones(1, 2), torch.tensor([0, -1]), "bank_labels must be class"),
+        (torch.tensor([[float("nan"), 1.0]]), torch.tensor([0, 1]), "features are not finite"),
     ],
 )
-def test_knn_accuracy_refuses_bad_input(features, labels, bank_labels, message):
+def test_knn_predict_refuses_bad_input(features, bank_labels, message):
     with pytest.raises(ValueError, match=message):
-        knn_accuracy(features, labels, torch.eye(2), bank_labels, k=1)
+        knn_predict(features, torch.eye(2), bank_labels, k=1)

@@ -287,7 +287,13 @@ def test_both_arms_train_through_the_trainer_and_the_hook_updates_the_key_encode
             and len(summary["epochs"]) == 2
             and "loss_gap" in summary["epochs"][0]
         )
-        assert {r["metric"] for r in summary["rows"]} == {"test_knn_accuracy", "dev_knn_accuracy"}
+        # best dev, last step, and per epoch the diagnostics
+        assert {r["metric"] for r in summary["rows"]} == {
+            "test_knn_accuracy",
+            "dev_knn_accuracy",
+            "last_test_knn_accuracy",
+            *(f"{name}@epoch{e}" for name in ("loss_gap", "same_group_pairs") for e in (0, 1)),
+        }
         assert summary["rows"][0]["data"] == "fashion-mnist-not-cifar10"
     # one step from the initial model: the key encoder moved by exactly one moving-average update
     config = load_config(

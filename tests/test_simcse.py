@@ -114,7 +114,7 @@ def test_evaluation_is_the_spearman_rho_of_pair_cosines(paper_root):
     exp, model = built("simcse", paper_root)
     model.eval()
     with torch.no_grad():
-        scores = exp.evaluate(model, "test")
+        scores = exp.scores(exp.evaluate(model, "test"))
         first, second, gold = exp.tasks["test"]["STSBenchmark"]
         tokens = [exp.encoder.tokenize([t], exp.options.eval_max_length) for t in first + second]
         embedded = torch.cat([model(t) for t in tokens])

@@ -315,7 +315,8 @@ def check_minilm(args) -> list:
     # as the trainer builds its model
     torch.manual_seed(seeding.stream_seed(config.seed, 0, "init"))
     with torch.no_grad():
-        start = experiment.evaluate(experiment.build_model().to(args.device).eval(), "test")["mrr"]
+        model = experiment.build_model().to(args.device).eval()
+        start = experiment.scores(experiment.evaluate(model, "test"))["mrr"]
     del experiment
     with tempfile.TemporaryDirectory(prefix="gpu-check-minilm-") as tmp:
         summary = train_run(Path(tmp), "cpu", [f"{k}={v}" for k, v in settings.items()])

@@ -8,6 +8,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from gcbs_lib.distributed import gather_with_grad
+from gcbs_lib.losses import rank_info_nce
+
 # name → module:class in this package
 EXPERIMENTS = {
     "codesearch": "codesearch:CodeSearch",
@@ -19,10 +22,19 @@ EXPERIMENTS = {
 
 
 class TrainSet(NamedTuple):
-    """Training items 0 … size−1; two of equal `duplicate_keys` are never each other's negatives."""
+    """Training items 0 … size−1; two of equal `duplicate_keys` are never each other's negatives;
+    `groups` (default: the duplicate keys) say which in-batch pairs count as the same group in the
+    `same_group_pairs` diagnostic (class, video, source module: a proxy for false negatives)."""
 
     size: int
     duplicate_keys: Sequence[Hashable] | None = None
+    groups: Sequence[Hashable] | None = None
+
+
+# Per-item outputs of an evaluation, {task: {array: a value per item}}: "predicted" and "gold"
+# (Spearman's pairs, kNN's labels) or "rank" and "candidates" (retrieval). Committed beside the
+# rows, they give the bootstrap over test items and the chance band of `gcbs_lib.verdict`.
+Outputs = dict[str, dict[str, list]]
 
 
 class Batch(NamedTuple):
@@ -34,7 +46,7 @@ class Batch(NamedTuple):
 
 class Experiment(ABC):
     """What `gcbs_lib.train` calls. A subclass sets `Options` (a dataclass: its config keys),
-    `dev_metric` (the `evaluate(model, "dev")` key that picks the best model), `data_name` and
+    `dev_metric` (the `scores` key that picks the best model), `data_name` and
     `model_name` (of result rows), and defines the abstract hooks. The trainer runs
     `pair_embeddings` and `evaluate` in eval mode, without gradients."""
 
@@ -59,17 +71,27 @@ class Experiment(ABC):
     def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
         """The batch of training items `indices`, with their mined `negatives` when given."""
 
-    @abstractmethod
     def loss(self, embeddings: Sequence[torch.Tensor], batch: Batch, scale) -> torch.Tensor:
-        """Rank r's share of the global loss over the branches' embeddings (notebook 02)."""
+        """Rank r's share of the global loss over the branches' embeddings (notebook 02); by
+        default, InfoNCE of its anchors over every rank's positives."""
+        return rank_info_nce(*map(gather_with_grad, embeddings), scale)
 
     @abstractmethod
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
         """Two embeddings `(z1, z2)` of each item: what GCBS and mining compare."""
 
     @abstractmethod
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """The scores of `split` ("dev" or "test"), on rank 0 only."""
+    def evaluate(self, model: nn.Module, split: str) -> Outputs:
+        """The per-item outputs of `split` ("dev" or "test"), on rank 0 only."""
+
+    @staticmethod
+    @abstractmethod
+    def scores(outputs: Outputs) -> dict[str, float]:
+        """The metrics of per-item `outputs` (also of a resampled or shuffled copy)."""
+
+    def baseline(self) -> tuple[str, Outputs] | None:
+        """A trivial scorer's name and test outputs (TF-IDF, raw pixels), where one exists."""
+        return None
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         """The module of each branch; the trainer wraps each distinct one in DDP."""

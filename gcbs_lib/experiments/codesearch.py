@@ -16,9 +16,7 @@ from torch import nn
 from gcbs_lib.check import require
 from gcbs_lib.data import data_root, run_data_script
 from gcbs_lib.data.codesearch import load, retrieval_task
-from gcbs_lib.distributed import gather_with_grad
-from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches, to_device
-from gcbs_lib.losses import rank_info_nce
+from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_batches, to_device
 from gcbs_lib.metrics import mrr, recall_at, retrieval_ranks
 from gcbs_lib.models import MODEL_NAMES, text_encoder
 from gcbs_lib.seeding import fixed_subset
@@ -90,18 +88,14 @@ class CodeSearch(Experiment):
                 queries=[task.queries[i] for i in keep], positive=task.positive[keep]
             )
         self.train = [pairs[i] for i in fixed_subset(len(pairs), o.train_limit, "train-subset")]
-        return TrainSet(len(self.train), duplicate_groups(self.train))
+        modules = [pair["key"].partition("#")[0] for pair in self.train]  # a url's file
+        return TrainSet(len(self.train), duplicate_groups(self.train), modules)
 
     def build_model(self) -> nn.Module:
         o = self.options
-        self.encoder = text_encoder(
-            o.encoder,
-            max_length=max(o.query_length, o.code_length),
-            prefix=o.prefix,
-            dropout=o.dropout,
-            tiny_dim=o.tiny_dim,
-            tiny_layers=o.tiny_layers,
-        )
+        length = max(o.query_length, o.code_length)
+        options = dict(dropout=o.dropout, tiny_dim=o.tiny_dim, tiny_layers=o.tiny_layers)
+        self.encoder = text_encoder(o.encoder, max_length=length, prefix=o.prefix, **options)
         return self.encoder
 
     def tokens(self, texts: Sequence[str], side: str) -> dict:
@@ -118,25 +112,25 @@ class CodeSearch(Experiment):
         code = self.tokens([self.train[k]["code"] for k in codes], "code")
         return Batch([queries, code])
 
-    def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
-        return rank_info_nce(*map(gather_with_grad, embeddings), scale)
-
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
         batch = self.collate(indices.tolist())
         return tuple(model(to_device(inputs, self.device)) for inputs in batch.inputs)
 
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """MRR (0 beyond rank 1000), R@1 and R@10 of the split's queries against its whole pool."""
+    def evaluate(self, model: nn.Module, split: str) -> Outputs:
+        """The rank of each of the split's queries' code in its whole pool."""
         task = self.tasks[split]
         queries = self.embed(model, task.queries, "query")
         pool = self.embed(model, task.codes, "code")
         ranks = retrieval_ranks(queries, pool, task.positive.clamp(0))
         ranks = ranks.masked_fill(task.positive < 0, 1001 + len(pool))  # no match: scored 0
-        return {
-            "mrr": mrr(ranks, cutoff=1000),
-            "recall@1": recall_at(ranks, 1),
-            "recall@10": recall_at(ranks, 10),
-        }
+        return {"queries": {"rank": ranks.tolist(), "candidates": [len(pool)] * len(ranks)}}
+
+    @staticmethod
+    def scores(outputs: Outputs) -> dict[str, float]:
+        """MRR (0 beyond rank 1000), R@1 and R@10."""
+        ranks = outputs["queries"]["rank"]
+        recalls = {f"recall@{k}": recall_at(ranks, k) for k in (1, 10)}
+        return {"mrr": mrr(ranks, cutoff=1000), **recalls}
 
     def embed(self, model: nn.Module, texts: list[str], side: str) -> torch.Tensor:
         """Evaluation embeddings of `texts` (float32, on the CPU), `eval_batch_size` at a time."""

@@ -17,23 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gcbs_lib.data import build_once, data_root, ensure_built, read_json
-from gcbs_lib.data.howto100m import (
-    FeatureStore,
-    build_bags,
-    caption_path,
-    features_of,
-    open_arrays,
-    read_captions,
-    save_arrays,
-)
-from gcbs_lib.distributed import (
-    gather_ragged,
-    gather_with_grad,
-    rank_and_world_size,
-    rank_difference,
-)
-from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches, to_device
+from gcbs_lib import distributed
+from gcbs_lib.data import build_once, data_root, ensure_built, howto100m, read_json
+from gcbs_lib.distributed import gather_ragged, gather_with_grad, rank_and_world_size
+from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_batches, to_device
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import mil_nce
 from gcbs_lib.metrics import median_rank, recall_at, retrieval_ranks
@@ -119,14 +106,14 @@ class MilNce(Experiment):
             build_once(folder, settings, partial(write_splits, o, self.root))
         if world_size > 1:
             dist.barrier()
-        self.store = FeatureStore(self.root)
+        self.store = howto100m.FeatureStore(self.root)
         self.tokenize = HashingTokenizer(o.vocab_size, o.max_words)
-        self.bags = open_arrays(folder / "train")
-        self.eval_sets = {split: open_arrays(folder / split) for split in ("dev", "test")}
-        return TrainSet(len(self.bags["clip_video"]))
+        self.bags = howto100m.open_arrays(folder / "train")
+        self.eval_sets = {split: howto100m.open_arrays(folder / split) for split in ("dev", "test")}
+        return TrainSet(len(self.bags["clip_video"]), groups=self.bags["clip_video"].tolist())
 
     def build_model(self) -> nn.Module:
-        o, width = self.options, features_of(self.store, self.bags, np.arange(1)).shape[1]
+        o, width = self.options, howto100m.features_of(self.store, self.bags, np.arange(1)).shape[1]
         video = VideoHead(width, o.embed_dim)
         text = SentenceHead(o.vocab_size, o.word_dim, o.hidden_dim, o.embed_dim)
         return nn.ModuleDict({"video": video, "text": text})
@@ -141,7 +128,7 @@ class MilNce(Experiment):
         )
         captions = bags[bags >= 0].unique()
         tokens = self.tokenize([t.decode() for t in self.bags["caption_text"][captions.numpy()]])
-        video = torch.from_numpy(features_of(self.store, self.bags, clips))
+        video = torch.from_numpy(howto100m.features_of(self.store, self.bags, clips))
         extra = {"caption_ids": captions, "bag_ids": bags, "exclude_ids": exclude}
         return Batch([video, tokens], extra)
 
@@ -180,26 +167,32 @@ class MilNce(Experiment):
         positions = _positions(extra["bag_ids"], extra["caption_ids"]).clamp(min=0)
         return video, (text[positions] * members).sum(1) / members.sum(1)
 
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Text → video retrieval on the split's clips: R@1/5/10, median rank (ties pessimistic)."""
+    def evaluate(self, model: nn.Module, split: str) -> Outputs:
+        """Text → video retrieval on the split's clips: each caption's clip's rank."""
         data = self.eval_sets[split]
         limit = self.options.eval_clips
         rows = np.array(fixed_subset(len(data["clip_video"]), limit, f"milnce-eval-{split}"))
         chunks = np.array_split(rows, -(-len(rows) // 1024))  # embedded 1024 at a time
-        features = (torch.from_numpy(features_of(self.store, data, c)) for c in chunks)
+        features = (torch.from_numpy(howto100m.features_of(self.store, data, c)) for c in chunks)
         captions = (self.tokenize([t.decode() for t in data["text"][c]]) for c in chunks)
         video = embed_in_batches(model.video, features, self.device)
         text = embed_in_batches(model.text, captions, self.device)
         ranks = retrieval_ranks(text, video, torch.arange(len(rows), device=self.device))
+        return {"clips": {"rank": ranks.tolist(), "candidates": [len(rows)] * len(rows)}}
+
+    @staticmethod
+    def scores(outputs: Outputs) -> dict[str, float]:
+        """R@1/5/10 and the median rank (ties pessimistic)."""
+        ranks = outputs["clips"]["rank"]
         recalls = {f"r{k}": recall_at(ranks, k) for k in (1, 5, 10)}
         return {**recalls, "median_rank": median_rank(ranks)}
 
 
 def write_splits(o: MilNce.Options, root: Path, folder: Path) -> dict:
     """Training bags; dev/test queries: a planted segment's true caption, else a bag's anchor."""
-    store = FeatureStore(root)
+    store = howto100m.FeatureStore(root)
     # bad captions listed beside bad features
-    captions = read_captions(caption_path(root), store.skipped)
+    captions = howto100m.read_captions(howto100m.caption_path(root), store.skipped)
     clips, truth = (
         read_json(root / f) if (root / f).exists() else None for f in ("clips.json", "truth.json")
     )
@@ -211,17 +204,18 @@ def write_splits(o: MilNce.Options, root: Path, folder: Path) -> dict:
         name: sorted(ids[i] for i in order[a:b])
         for name, a, b in (("dev", 0, n), ("test", n, 2 * n), ("train", 2 * n, None))
     }
-    save_arrays(build_bags(captions, store, o.bag_size, split["train"], clips), folder / "train")
+    train = howto100m.build_bags(captions, store, o.bag_size, split["train"], clips)
+    howto100m.save_arrays(train, folder / "train")
     for name in ("dev", "test"):
         windows = clips
         if truth:
             windows = {v: [segment["window"] for segment in truth[v]] for v in split[name]}
-        bags = build_bags(captions, store, 1, split[name], windows)
+        bags = howto100m.build_bags(captions, store, 1, split[name], windows)
         text = bags["caption_text"][bags["anchor"]]
         if truth:
             text = [segment["text"].encode() for v in bags["video_ids"] for segment in truth[v]]
         arrays = {k: bags[k] for k in ("video_ids", "clip_video", "clip_window")}
-        save_arrays({**arrays, "text": text}, folder / name)
+        howto100m.save_arrays({**arrays, "text": text}, folder / name)
     return {"skipped": store.skipped}
 
 
@@ -264,5 +258,5 @@ def gradient_check(
     return {
         "loss": gather_with_grad(loss.detach()[None]).mean().item(),
         "grad": grad.tolist(),
-        "rank_difference": rank_difference([grad]),
+        "rank_difference": distributed.rank_difference([grad]),
     }

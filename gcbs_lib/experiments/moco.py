@@ -14,6 +14,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,8 @@ from gcbs_lib.check import require
 from gcbs_lib.data import data_root
 from gcbs_lib.data.images import DATA_NAMES, load
 from gcbs_lib.distributed import gather_with_grad, rank_and_world_size
-from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches
-from gcbs_lib.metrics import knn_accuracy
+from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_batches
+from gcbs_lib.metrics import knn_predict
 from gcbs_lib.seeding import fixed_subset, generator
 
 # mean, std per channel
@@ -259,7 +260,7 @@ class MoCo(Experiment):
         self.gcbs_views = [
             self.views.sample(len(train), generator(self.seed, 0, f"gcbs-view{v}")) for v in (1, 2)
         ]
-        return TrainSet(len(train))
+        return TrainSet(len(train), groups=self.train_labels.tolist())
 
     def build_model(self) -> nn.Module:
         o = self.options
@@ -298,16 +299,28 @@ class MoCo(Experiment):
         images = self.train[indices].to(self.device)
         return tuple(model.key(images, views[indices]) for views in self.gcbs_views)
 
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Weighted kNN accuracy of `split` against the training images, on f_q before its head."""
+    def evaluate(self, model: nn.Module, split: str) -> Outputs:
+        """Each image of `split`: its class and the weighted kNN vote over the training images on
+        f_q before its head."""
+        encoder = nn.Sequential(model.query.views, model.query.encoder)
+        return self._knn(partial(embed_in_batches, encoder, device=self.device), split)
+
+    def baseline(self) -> tuple[str, Outputs]:
+        """The same kNN vote on raw pixels (the trivial baseline)."""
+        return "raw-pixels", self._knn(lambda batches: torch.cat(batches).flatten(1), "test")
+
+    def _knn(self, embed, split: str) -> Outputs:
         o = self.options
         images, labels = self.splits[split]
-        encoder = nn.Sequential(model.query.views, model.query.encoder)
         queries, bank = (
-            embed_in_batches(encoder, x.split(o.eval_batch_size), self.device).float().cpu()
-            for x in (images, self.train)
+            embed(x.split(o.eval_batch_size)).float().cpu() for x in (images, self.train)
         )
-        accuracy = knn_accuracy(
-            queries, labels, bank, self.train_labels, k=o.knn_k, temperature=o.knn_temperature
-        )
-        return {"knn_accuracy": accuracy}
+        votes = knn_predict(queries, bank, self.train_labels, o.knn_k, o.knn_temperature)
+        return {"images": {"predicted": votes.tolist(), "gold": labels.tolist()}}
+
+    @staticmethod
+    def scores(outputs: Outputs) -> dict[str, float]:
+        """kNN accuracy."""
+        images = outputs["images"]
+        hits = [p == g for p, g in zip(images["predicted"], images["gold"], strict=True)]
+        return {"knn_accuracy": sum(hits) / len(hits)}

@@ -8,23 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from sklearn.feature_extraction.text import TfidfVectorizer
 from torch import nn
 
-from gcbs_lib.data import data_root, ensure_built
-from gcbs_lib.data.sts import (
-    STANDIN_NAME,
-    TASKS,
-    load,
-    load_standin,
-    read_sentences,
-    senteval_path,
-    standin_file,
-)
-from gcbs_lib.distributed import gather_with_grad
-from gcbs_lib.experiments import Batch, Experiment, TrainSet, embed_in_batches, to_device
-from gcbs_lib.losses import rank_info_nce
+from gcbs_lib.data import data_root, ensure_built, sts
+from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_batches, to_device
 from gcbs_lib.metrics import spearman
 from gcbs_lib.models import MODEL_NAMES, text_encoder
 from gcbs_lib.seeding import fixed_subset
@@ -50,7 +41,7 @@ class SimCSE(Experiment):
         eval_batch_size: int = 128
 
     dev_metric = "spearman"
-    data_name = property(lambda self: "paper" if self.options.data == "paper" else STANDIN_NAME)
+    data_name = property(lambda self: "paper" if self.options.data == "paper" else sts.STANDIN_NAME)
     model_name = property(lambda self: MODEL_NAMES.get(self.options.encoder, self.options.encoder))
     root = property(lambda self: data_root(self.options.data_root))
 
@@ -73,11 +64,9 @@ class SimCSE(Experiment):
         name = o.encoder
         if o.encoder in BUILT_MODELS:
             built = self.root / "models" / o.encoder
-            name = ensure_built(built, BUILT_MODELS[o.encoder], "--root", self.root)
+            name = str(ensure_built(built, BUILT_MODELS[o.encoder], "--root", self.root))
         length = max(o.max_length, o.eval_max_length)
-        self.encoder = text_encoder(
-            str(name), pooling=o.pooling, max_length=length, dropout=o.dropout
-        )
+        self.encoder = text_encoder(name, pooling=o.pooling, max_length=length, dropout=o.dropout)
         return self.encoder
 
     def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
@@ -85,26 +74,38 @@ class SimCSE(Experiment):
         tokens = self.encoder.tokenize([self.train[i] for i in indices], self.options.max_length)
         return Batch([tokens, tokens])
 
-    def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
-        # every rank's anchors, positives
-        return rank_info_nce(*(gather_with_grad(z) for z in embeddings), scale)
-
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
         """Each sentence's embedding, twice (eval mode has no dropout)."""
         z = model(to_device(self.collate(indices.tolist()).inputs[0], self.device))
         return z, z
 
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Spearman's ρ of each task of `split`, and their average as `spearman`."""
-        scores = {}
+    def evaluate(self, model: nn.Module, split: str) -> Outputs:
+        """Each pair's cosine (to 6 decimals) and gold score, task by task."""
+        outputs = {}
         for name, (first, second, gold) in self.tasks[split].items():
-            distinct = sorted(set(first + second))  # a Lee document is in 24 pairs: encode it once
-            vectors = self.embed(model, distinct)
-            row = {text: i for i, text in enumerate(distinct)}
-            cosines = F.cosine_similarity(
-                vectors[[row[t] for t in first]], vectors[[row[t] for t in second]], dim=-1
-            )
-            scores[f"spearman_{name}"] = spearman(cosines.numpy(), gold)
+            # a Lee document is in 24 pairs: encode it once
+            distinct, rows = np.unique(first + second, return_inverse=True)
+            vectors = self.embed(model, distinct.tolist())[torch.from_numpy(rows)]
+            cosines = F.cosine_similarity(*vectors.split(len(first)), dim=-1)
+            outputs[name] = pair_outputs(cosines.numpy(), gold)
+        return outputs
+
+    def baseline(self) -> tuple[str, Outputs]:
+        """TF-IDF of character 2–4-grams, fit on each test task's texts: each pair's cosine."""
+        outputs = {}
+        for name, (first, second, gold) in self.tasks["test"].items():
+            tfidf = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4)).fit(first + second)
+            # rows of unit norm: the dot product is the cosine
+            cosines = tfidf.transform(first).multiply(tfidf.transform(second)).sum(axis=1)
+            outputs[name] = pair_outputs(np.asarray(cosines).ravel(), gold)
+        return "tfidf", outputs
+
+    @staticmethod
+    def scores(outputs: Outputs) -> dict[str, float]:
+        """Spearman's ρ of each task, and their average as `spearman`."""
+        scores = {
+            f"spearman_{name}": spearman(t["predicted"], t["gold"]) for name, t in outputs.items()
+        }
         return {"spearman": sum(scores.values()) / len(scores), **scores}
 
     def embed(self, model: nn.Module, texts: list[str]) -> torch.Tensor:
@@ -116,6 +117,15 @@ class SimCSE(Experiment):
         return embed_in_batches(model, batches, self.device).float().cpu()
 
 
+def pair_outputs(cosines: np.ndarray, gold) -> dict[str, list]:
+    """A Spearman task's per-item outputs: cosines rounded to 6 decimals (what is scored and
+    committed), gold scores."""
+    return {
+        "predicted": np.round(cosines.astype(float), 6).tolist(),
+        "gold": np.asarray(gold, float).tolist(),
+    }
+
+
 def paper_data(root: Path) -> tuple[list[str], dict]:
     """From `<root>/sts/`: wiki1m to train; {"dev": STS-B dev, "test": every SentEval task}."""
     train_file, senteval = root / "sts" / "wiki1m_for_simcse.txt", root / "sts" / "SentEval"
@@ -124,18 +134,18 @@ def paper_data(root: Path) -> tuple[list[str], dict]:
             f"no {train_file}: fetch it with data_scripts/download_sts.py (or set data_root), "
             f"or use data='standin' offline"
         )
-    dev = {"STSBenchmark": load(senteval_path("STSBenchmark", senteval, "dev"), "STSBenchmark")}
-    train = read_sentences(train_file)
-    test = {t: load(senteval_path(t, senteval), t) for t in TASKS}
-    return train, {"dev": dev, "test": test}
+    dev = sts.load(sts.senteval_path("STSBenchmark", senteval, "dev"), "STSBenchmark")
+    train = sts.read_sentences(train_file)
+    test = {t: sts.load(sts.senteval_path(t, senteval), t) for t in sts.TASKS}
+    return train, {"dev": {"STSBenchmark": dev}, "test": test}
 
 
 def standin_data(root: Path) -> tuple[list[str], dict]:
     """The stand-in (NOT STS): Wikipedia sentences to train; the Lee pairs among a fixed half of its
     documents as dev; the Lee pairs among the other half, WordSim353 and SimLex-999 as test."""
-    test = {name: load_standin(name, root) for name in ("lee-test", "wordsim353", "simlex999")}
-    train = read_sentences(standin_file("train.txt", root))
-    dev = {"lee": load_standin("lee-dev", root)}
+    test = {name: sts.load_standin(name, root) for name in ("lee-test", "wordsim353", "simlex999")}
+    train = sts.read_sentences(sts.standin_file("train.txt", root))
+    dev = {"lee": sts.load_standin("lee-dev", root)}
     return train, {"dev": dev, "test": {"lee": test.pop("lee-test"), **test}}
 
 
