@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if ran and {**entry["parameters"], "seeds": None} == {**parameters, "seeds": None}:
             kept[p.stem] = entry
     shutil.rmtree(out / "figures", ignore_errors=True)  # a folder used before
-    for stale in out.glob("results/*.json"):  # rows, and outputs.json beside them
+    for stale in out.glob("results/*.json*"):  # rows, and their outputs.jsonl
         if stale.name.split(".")[0] not in kept:
             stale.unlink()
     (out / "figures").mkdir(parents=True)
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             write_atomic(out / "run.json", json.dumps(run, indent=1) + "\n")
             if args.fail_fast and done["status"] == "failed":
                 break
-    files = [path for path in sorted(out.glob("results/*.json")) if "." not in path.stem]
+    files = sorted(out.glob("results/*.json"))
     rows = [row for path in files for row in read_rows(path)]
     lines = build_table(rows, commit, [run for path in files for run in read_outputs(path)])
     tables = [

@@ -60,7 +60,7 @@ def read_rows(path: str | Path) -> list[dict]:
 def record(rows: list[dict], name: str, outputs: list[dict] = ()) -> Path | None:
     """Save a notebook's rows as `<name>.json` in the runner's folder, over the rows there of the
     same arm, seed and metric, and the runs' per-item test `outputs` ({experiment, arm, seed,
-    checkpoint, outputs} records) as `<name>.outputs.json` likewise (the runner keeps earlier files
+    checkpoint, outputs} records) as `<name>.outputs.jsonl` likewise (the runner keeps earlier files
     only from the same commit and settings); without the runner, nothing."""
     if not (folder := os.environ.get(RESULTS_DIR_VARIABLE)):
         return None
@@ -80,17 +80,21 @@ def merged(old: list[dict], new: list[dict], key: str) -> list[dict]:
 
 
 def read_outputs(rows_path: str | Path) -> list[dict]:
-    """The per-item test output records beside the rows file `rows_path`, in `<stem>.outputs.json`
-    ([] where none)."""
-    path = Path(rows_path).with_suffix(".outputs.json")
-    return read_json(path) if path.exists() else []
+    """The per-item test output records beside the rows file `rows_path`, in JSON Lines
+    `<stem>.outputs.jsonl` ([] where none)."""
+    path = Path(rows_path).with_suffix(".outputs.jsonl")
+    lines = path.read_text().splitlines() if path.exists() else []
+    try:
+        return [json.loads(line) for line in lines]
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON Lines: {error}") from None
 
 
 def write_outputs(rows_path: str | Path, records: list[dict]) -> Path | None:
     """Write `records` beside the rows file `rows_path` (see `read_outputs`), a record a line."""
     if records:
-        lines = ",\n".join(json.dumps(record) for record in records)
-        return write_atomic(Path(rows_path).with_suffix(".outputs.json"), f"[\n{lines}\n]\n")
+        text = "".join(json.dumps(record) + "\n" for record in records)
+        return write_atomic(Path(rows_path).with_suffix(".outputs.jsonl"), text)
     return None
 
 
@@ -379,8 +383,6 @@ def verify(folder: str | Path = COMMITTED, readme=REPOSITORY / "README.md") -> s
     """Recompute every committed row of a test metric from its per-item outputs, and the README's
     table (intervals, gates, verdicts) from both: the first disagreement, or None."""
     for f in sorted(Path(folder).glob("*.*.json")):
-        if f.name.endswith(".outputs.json"):
-            continue
         rows = {itemgetter("experiment", "arm", "seed", "metric")(r): r for r in read_rows(f)}
         for run in read_outputs(f):
             scores = experiments.get(run["experiment"]).scores(run["outputs"])

@@ -16,10 +16,6 @@ NULL_DRAWS = 200  # permutations of the chance band
 MARGIN = 3  # the gate's margins, in sd
 
 
-def lower_is_better(metric: str) -> bool:
-    return metric.endswith("median_rank")
-
-
 def resampled(outputs: experiments.Outputs, picks: dict[str, np.ndarray]) -> experiments.Outputs:
     """`outputs` with each task's items `picks[task]` (indices, repeats allowed)."""
     return {
@@ -84,7 +80,7 @@ def gate(
     """Why this comparison cannot measure anything (empty: it can): `start`, `random` are the
     Summaries (mean, sd, n) of the untrained model and the random arm, `band` the chance band's
     (mean, sd), `baseline` the trivial scorer's value or None."""
-    sign = -1 if lower_is_better(metric) else 1
+    sign = -1 if metric.endswith("median_rank") else 1  # lower is better
     chance = band[0] + sign * MARGIN * band[1]
     reasons = []
     for name, summary in (("the start", start), ("random", random)):
@@ -100,7 +96,7 @@ def gate(
 def called(arm: str, metric: str, low: float, high: float) -> str:
     """ "GCBS better" (the interval above 0; below 0 where lower is better), "GCBS worse", or
     "not resolved"."""
-    gain = sorted((-high, -low) if lower_is_better(metric) else (low, high))
+    gain = sorted((-high, -low) if metric.endswith("median_rank") else (low, high))
     name = {"gcbs": "GCBS"}.get(arm, arm)
     if gain[0] > 0:
         return f"{name} better"

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from gcbs_lib.data.sts import STS_YEARS, TASKS
 from gcbs_lib.experiments import get
+from gcbs_lib.experiments.simcse import SimCSE
 from gcbs_lib.train import load_config, train
 
 WORDS = "cat dog bird fish tree river stone cloud rain sun moon star city road car ship".split()
@@ -159,3 +160,13 @@ def test_the_profile_carries_the_papers_recipe():
         32,
     )
     assert simcse.options.pooling == "cls_mlp_train"
+
+
+def test_constant_cosines_or_gold_rank_nothing_and_score_zero():
+    outputs = {
+        "collapsed": {"predicted": [0.999997] * 4, "gold": [1.0, 2.0, 3.0, 4.0]},
+        "ranked": {"predicted": [0.1, 0.2, 0.4, 0.3], "gold": [1.0, 2.0, 3.0, 4.0]},
+    }
+    scores = SimCSE.scores(outputs)
+    assert scores["spearman_collapsed"] == 0.0 and scores["spearman_ranked"] == pytest.approx(0.8)
+    assert scores["spearman"] == pytest.approx(0.4)

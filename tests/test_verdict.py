@@ -176,9 +176,12 @@ def test_the_committed_results_verify():
     assert results.verify() is None
 
 
-def test_outputs_are_written_a_record_a_line(tmp_path):
+def test_outputs_are_written_a_record_a_line_and_a_corrupt_file_is_named(tmp_path):
     _, _, records = comparison({0: [1, 2]}, {0: [1, 1]}, {0: [3, 4]})
     path = results.write_outputs(tmp_path / "r.json", records)
-    assert path.name == "r.outputs.json"
-    assert [json.loads(x.rstrip(",")) for x in path.read_text().splitlines()[1:-1]] == records
+    assert path.name == "r.outputs.jsonl"
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records
     assert results.read_outputs(tmp_path / "r.json") == records
+    path.write_text('{"experiment": \n')
+    with pytest.raises(ValueError, match="r.outputs.jsonl is not valid JSON Lines"):
+        results.read_outputs(tmp_path / "r.json")

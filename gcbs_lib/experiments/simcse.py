@@ -102,10 +102,14 @@ class SimCSE(Experiment):
 
     @staticmethod
     def scores(outputs: Outputs) -> dict[str, float]:
-        """Spearman's ρ of each task, and their average as `spearman`."""
-        scores = {
-            f"spearman_{name}": spearman(t["predicted"], t["gold"]) for name, t in outputs.items()
-        }
+        """Spearman's ρ of each task (0 where cosines or gold are constant: they rank nothing), and
+        their average as `spearman`."""
+        scores = {}
+        for name, task in outputs.items():
+            ranking = np.ptp(task["predicted"]) and np.ptp(task["gold"])
+            scores[f"spearman_{name}"] = (
+                spearman(task["predicted"], task["gold"]) if ranking else 0.0
+            )
         return {"spearman": sum(scores.values()) / len(scores), **scores}
 
     def embed(self, model: nn.Module, texts: list[str]) -> torch.Tensor:
