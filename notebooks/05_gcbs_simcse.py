@@ -178,8 +178,9 @@ summaries = run_arms(
 # ## 5 · Scores, Δ and the verdict
 #
 # Spearman's ρ as a fraction (the paper's +1.03 points is +0.0103 here). Δ pairs GCBS and random on each seed;
-# its 95 % t-interval decides: *GCBS better* (above 0), *GCBS worse* (below 0), or *not resolved*. Training
-# must first have moved the model: the random arm's gain over the start, against the spread over seeds.
+# its 95 % bootstrap interval over seeds × test pairs decides: *GCBS better* (above 0), *GCBS worse* (below 0),
+# or *not resolved*, and only where the gate passes: the start and the random arm above chance, the random arm
+# above TF-IDF (the `baseline-tfidf` row) and more than 3 seed sd above the start; else *not measurable here*.
 
 # %%
 deltas = arms_table(summaries, stand_in="NOT STS")

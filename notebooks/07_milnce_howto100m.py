@@ -506,8 +506,9 @@ for (s, k, _seed), metrics in sweep.items():
 # GCBS (notebook 03) orders each epoch's clips by the similarity of clip embeddings to bag-mean caption
 # embeddings (`MilNce.pair_embeddings`), so batches hold each other's hard negatives. Is that a help when the
 # positives are noisy bags? Both arms on the same seeds (the GCBS paper has no MIL-NCE experiment), each seed's
-# untrained model scored too (`start`); Δ = mean over seeds of (GCBS − random) test R@10, with the 95 %
-# t-interval of the paired differences: *GCBS better* above 0, *GCBS worse* below, else *not resolved*.
+# untrained model scored too (`start`); Δ = mean over seeds of (GCBS − random) test R@10, with its 95 %
+# bootstrap interval over seeds × test clips: *GCBS better* above 0, *GCBS worse* below, else *not resolved*,
+# where the gate passes (below).
 #
 # **How many seeds, and what a verdict needs.** A verdict follows the protocol of notebook 04 (section 3): the 95 % interval of
 # $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ from a paired bootstrap over seeds and test clips

@@ -232,8 +232,9 @@ half_width = committed_plan("08_gcbs_moco", "moco", "test_knn_accuracy")
 # orders the images by reverse Cuthill–McKee over the graph of their most similar pairs and cuts the order into
 # batches (notebook 03); the random arm shuffles. The queue then fills batch by batch with clusters of similar
 # keys. Score: the weighted kNN accuracy of the MoCo CIFAR-10 demo on the query encoder's pooled features; the
-# `start` row scores each seed's untrained model. Δ's 95 % t-interval gives the verdict: *GCBS better* (above 0),
-# *GCBS worse* (below 0) or *not resolved*.
+# `start` row scores each seed's untrained model, and `baseline-raw-pixels` the same kNN vote on raw pixels. Δ's
+# 95 % bootstrap interval over seeds × test images gives the verdict: *GCBS better* (above 0), *GCBS worse*
+# (below 0) or *not resolved*, where the gate passes (section 6); else *not measurable here*.
 
 # %%
 summaries = run_arms("moco", profile, arms, seeds, Path(output_dir) / profile / data, settings)
