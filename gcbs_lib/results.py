@@ -62,7 +62,8 @@ def record(rows: list[dict], name: str, outputs: list[dict] = ()) -> Path | None
     same arm, seed and metric, and the runs' per-item test `outputs` ({experiment, arm, seed,
     checkpoint, outputs} records) as `<name>.outputs.jsonl` likewise (the runner keeps earlier files
     only from the same commit and settings); without the runner, nothing."""
-    if not (folder := os.environ.get(RESULTS_DIR_VARIABLE)):
+    folder = os.environ.get(RESULTS_DIR_VARIABLE)
+    if not folder:
         return None
     path = Path(folder) / f"{name}.json"
     write_outputs(path, merged(read_outputs(path), outputs, "experiment arm seed checkpoint"))

@@ -507,7 +507,7 @@ class Trainer:
         rows, outputs = self.score()
         rows += self.result_rows({self.experiment.dev_metric: best["value"]}, "dev_") + last_rows
         for epoch in self.run.records("epoch"):  # the diagnostics: loss_gap@epoch0, ...
-            diagnostics = {k: v for k, v in epoch.items() if k in ("loss_gap", "same_group_pairs")}
+            diagnostics = {k: v for k, v in epoch.items() if k in results.DIAGNOSTICS}
             rows += self.result_rows(diagnostics, "", f"@epoch{epoch['epoch']}")
         results.write_rows(self.run.dir / "results.json", rows)
         write_atomic(self.run.dir / "outputs.json", json.dumps({"best": outputs, "last": last}))

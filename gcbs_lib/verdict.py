@@ -1,9 +1,6 @@
-"""The verdict protocol of a comparison (an arm against random on paired seeds), from per-item test
-outputs (`experiments.Outputs`): a paired hierarchical bootstrap over seeds and test items, the
-metric's chance band under a permutation null, and the gate a comparison must pass to get a verdict
-at all: the start and the random arm clear the chance band by 3 sd, the random arm clears the
-trivial baseline and gains more than 3 seed sd over the start. Draws are seeded: `python -m
-gcbs_lib.results verify` recomputes every committed interval."""
+"""The verdict protocol (DESIGN.md) from per-item test outputs (`experiments.Outputs`): a paired
+hierarchical bootstrap over seeds and test items, the chance band of a permutation null, the gate
+and the verdict. Draws are seeded, so `results verify` recomputes every committed interval."""
 
 import statistics
 

@@ -98,7 +98,8 @@ def read_cifar10_batch(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_cifar10(folder: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """CIFAR-10 `split` from an unpacked `cifar-10-batches-py/` (train: its 5 batches in order)."""
-    if missing := [name for name in CIFAR10_FILES[split] if not (Path(folder) / name).is_file()]:
+    missing = [name for name in CIFAR10_FILES[split] if not (Path(folder) / name).is_file()]
+    if missing:
         raise FileNotFoundError(
             f"{folder} lacks {missing}: fetch CIFAR-10 with data_scripts/download_cifar10.py "
             f"(or set data_root), or use an offline stand-in (data=mnist5k / fashion-mnist)"

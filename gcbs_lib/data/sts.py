@@ -59,7 +59,8 @@ def senteval_path(task: str, folder: str | Path, split: str = "test") -> Path:
     known = task in STS_YEARS or split in SPLIT_FILES[task][1]  # a year is one test set
     require(known, f"unknown split {split!r}: train, dev or test")
     name = f"{task}-en-test" if task in STS_YEARS else SPLIT_FILES[task][1][split]
-    if not (found := sorted(Path(folder).rglob(name))):
+    found = sorted(Path(folder).rglob(name))
+    if not found:
         raise FileNotFoundError(
             f"no {name} below {folder}: unpack senteval.tar there (data_scripts/download_sts.py)"
         )
