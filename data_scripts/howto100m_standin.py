@@ -1,9 +1,10 @@
 """Build the offline MIL-NCE stand-in from Debian's python3.11-doc in the HowTo100M layout, once.
 
     apt-get update && apt-get install -y python3.11-doc
-    python data_scripts/howto100m_standin.py [OUT]      # default: <data root>/howto100m/python-doc
+    python data_scripts/howto100m_standin.py [OUT]  # <data root>/howto100m/python-doc-sections
 
-Each documentation page is a "video": every block (prose paragraph or code block) lasts one second,
+Each section of a documentation page (the text under one heading) is a "video", so that an epoch of
+one clip per video (MIL-NCE's sampling) draws from about 900 of them: every block lasts one second,
 the code on screen is encoded by frozen encoders into features_2d/ (all-MiniLM-L6-v2, offline wheel)
 and features_3d/ (hashed bag of tokens), the prose paragraphs are the captions (caption.json) and
 the code blocks the clips (clips.json). Idempotent: an OUT built by this script is left alone
@@ -31,6 +32,20 @@ from gcbs_lib.data.howto100m import FPS  # noqa: E402
 PYTHON_DOC_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
 _INDEX_ENTRY = re.compile(r"^(\.\.|single:|pair:|triple:|module:|see:|seealso:)")
 _DIRECTIVE = re.compile(r"^\s*\.\. (code-block|sourcecode|doctest|testcode)::")
+_ADORNMENT = re.compile(r"""^([=\-~^*#+'"`:.])\1{2,}\s*$""")
+
+
+def sections(rst: str) -> list[str]:
+    """A reST page cut before each heading (a title line under- or overlined with one punctuation
+    character): the text under each heading, the heading's own lines first."""
+    lines = rst.splitlines()
+    cuts = [0]
+    for i in range(1, len(lines)):
+        title = lines[i - 1]
+        if _ADORNMENT.match(lines[i]) and title.strip() and not title[0].isspace():
+            cuts.append(i - 2 if i >= 2 and _ADORNMENT.match(lines[i - 2]) else i - 1)
+    cuts = sorted(set(cuts)) + [len(lines)]
+    return ["\n".join(lines[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def narrated_blocks(rst: str) -> list[tuple[str, str]]:
@@ -78,11 +93,11 @@ def narrated_blocks(rst: str) -> list[tuple[str, str]]:
     return blocks
 
 
-def python_doc_pages(
+def python_doc_sections(
     source: str | Path = PYTHON_DOC_SOURCES, min_code: int = 2
 ) -> dict[str, list[tuple[str, str]]]:
-    """Narrated pages of the Python documentation: {page id: blocks}, pages with at least `min_code`
-    code blocks."""
+    """Narrated sections of the Python documentation's pages: {"<page>__<n>": blocks}, those with
+    prose and at least `min_code` code blocks."""
     source = Path(source)
     if not source.is_dir():
         raise FileNotFoundError(
@@ -90,15 +105,13 @@ def python_doc_pages(
         )
     pages = {}
     for path in sorted(source.rglob("*.rst.txt")):
-        blocks = narrated_blocks(path.read_text(encoding="utf-8", errors="replace"))
-        if sum(kind == "code" for kind, _ in blocks) >= min_code and any(
-            kind == "prose" for kind, _ in blocks
-        ):
-            pages[
-                re.sub(
-                    r"[^A-Za-z0-9_.-]", "_", str(path.relative_to(source)).removesuffix(".rst.txt")
-                )
-            ] = blocks
+        page = str(path.relative_to(source)).removesuffix(".rst.txt")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for n, section in enumerate(sections(text)):
+            blocks = narrated_blocks(section)
+            code = sum(kind == "code" for kind, _ in blocks)
+            if code >= min_code and any(kind == "prose" for kind, _ in blocks):
+                pages[re.sub(r"[^A-Za-z0-9_.-]", "_", f"{page}__{n}")] = blocks
     return pages
 
 
@@ -168,22 +181,23 @@ def standin_encoders(batch_size: int = 64) -> dict[str, Callable[[list[str]], np
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "out", type=Path, nargs="?", default=data_root() / "howto100m" / "python-doc"
+        "out", type=Path, nargs="?", default=data_root() / "howto100m" / "python-doc-sections"
     )
     parser.add_argument("--source", type=Path, default=PYTHON_DOC_SOURCES)
     args = parser.parse_args(argv)
     start = time.perf_counter()
 
     def write(staging: Path) -> dict:
-        pages = python_doc_pages(args.source)
+        pages = python_doc_sections(args.source)
         clips = write_python_doc_standin(staging, pages, standin_encoders())
         return {
-            "pages": len(pages),
+            "sections": len(pages),
             "clips": sum(map(len, clips.values())),
             "captions": sum(kind == "prose" for blocks in pages.values() for kind, _ in blocks),
         }
 
-    build_once(args.out, {"builder": "howto100m_standin", "source": str(args.source)}, write)
+    settings = {"builder": "howto100m_standin", "source": str(args.source), "videos": "sections"}
+    build_once(args.out, settings, write)
     print(
         f"{args.out}: {json.loads((args.out / 'manifest.json').read_text())} "
         f"({time.perf_counter() - start:.0f} s)"

@@ -9,8 +9,7 @@ edge land close together, hence mostly in one batch. Two orders, S taken in row 
   quantiles of S's 10-row chunks, diagonal included; directed edges);
 - `gcbs_permutation`, the kit's variant: the exact quantile of the off-diagonal S_ij (a sampled
   lower bound, one pass keeping the candidates), undirected edges, nodes relabelled at random.
-
-`gcbs_batches` cuts the kit's order into batches; `loss_gap` measures what an order achieves."""
+`consecutive_batches` cuts an order into batches; `loss_gap` measures what an order achieves."""
 
 import contextlib
 import math
@@ -24,7 +23,6 @@ import torch.nn.functional as F
 from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from gcbs_lib.check import require
-from gcbs_lib.seeding import generator, stream_seed
 
 BLOCK_ELEMENTS = 2**22  # similarities per block on the CPU: 16 MiB of float32
 DEVICE_BLOCK_ELEMENTS = 2**27  # on a GPU: 512 MiB of float32
@@ -264,28 +262,6 @@ def consecutive_batches(order, batch_size: int, keys=None) -> torch.Tensor:
         keys = keys.tolist() if hasattr(keys, "tolist") else list(keys)
         require(len(keys) == len(order), f"{len(keys)} keys for {len(order)} items")
     return torch.tensor(_cut(order, batch_size, keys), dtype=torch.long)
-
-
-def gcbs_batches(
-    z1,
-    z2,
-    batch_size: int,
-    *,
-    quantile: float = 0.999,
-    seed: int = 0,
-    epoch: int = 0,
-    keys: Sequence[Hashable] | None = None,
-) -> torch.Tensor:
-    """One epoch of GCBS batches: a LongTensor [N // batch_size, batch_size] of item indices.
-
-    The GCBS order (relabelling from the stream (seed, epoch, "gcbs-relabel")) cut into consecutive
-    batches, the last short one dropped, with no two equal `keys` (duplicate texts: false negatives)
-    in one batch when keys are given, and the batch order shuffled from (seed, epoch,
-    "gcbs-batch-shuffle")."""
-    order = gcbs_permutation(z1, z2, quantile, stream_seed(seed, epoch, "gcbs-relabel"))
-    batches = consecutive_batches(order, batch_size, keys)
-    shuffle = torch.randperm(len(batches), generator=generator(seed, epoch, "gcbs-batch-shuffle"))
-    return batches[shuffle]
 
 
 def same_group_pairs(batches: torch.Tensor, groups: Sequence[Hashable]) -> float:

@@ -6,11 +6,12 @@ import hashlib
 
 import torch
 
+from gcbs_lib.check import require
+
 
 def stream_seed(seed: int, epoch: int, purpose: str) -> int:
     """A 63-bit seed for the stream `purpose` of run `seed` at `epoch`, unrelated to any other."""
-    if not purpose:
-        raise ValueError("a random stream needs a purpose name, e.g. 'shuffle' or 'gcbs-relabel'")
+    require(purpose, "a random stream needs a purpose name, e.g. 'shuffle' or 'gcbs-relabel'")
     digest = hashlib.blake2b(f"{int(seed)}/{int(epoch)}/{purpose}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -22,8 +23,15 @@ def generator(seed: int, epoch: int, purpose: str) -> torch.Generator:
 
 def fixed_subset(n: int, limit: int | None, purpose: str) -> list[int]:
     """range(n), or a fixed random `limit` (≥ 1) of it, sorted: the same for every seed and arm."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"the {purpose} limit must be at least 1, got {limit}")
+    require(limit is None or limit >= 1, f"the {purpose} limit must be at least 1, got {limit}")
     if limit is None or limit >= n:
         return list(range(n))
     return sorted(torch.randperm(n, generator=generator(0, 0, purpose))[:limit].tolist())
+
+
+def one_per_group(groups: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One item of each group drawn uniformly (`groups`: each item's group, 0 … G−1), sorted."""
+    priority = torch.randperm(len(groups), generator=generator)
+    first = torch.full((int(groups.max()) + 1,), len(groups))
+    first = first.scatter_reduce(0, groups, priority, "amin")
+    return priority.argsort()[first].sort().values

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -68,7 +69,7 @@ class TrainConfig:
     mine_skip: int = 3  # mining: top ranks skipped as likely false negatives
     embed_batch_size: int = 256
     log_loss_gap: bool = True  # log the loss gap of each epoch's planned batches
-    plan_sample: int | None = None  # each epoch plans and trains on this many items, drawn afresh
+    one_per_group: bool = False  # each epoch: one item per `TrainSet.groups`, drawn afresh
     eval_every: int = 0  # dev evaluation every N steps (0: at each epoch end only)
     checkpoint_every: int = 100
     sync_check_every: int = 0  # DDP: compare parameters and gradients across ranks every N steps
@@ -78,7 +79,7 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr"
-        positive = [*positive.split(), "clip_norm", "scale", "max_scale", "plan_sample"]
+        positive = [*positive.split(), "clip_norm", "scale", "max_scale"]
         wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
 
@@ -101,13 +102,14 @@ def load_config(
     """The config of `experiment`: the `common`, then the `profile` section of
     `configs/<experiment>.yaml`, then `overrides` (typed values or `--set` strings), as
     `TrainConfig` fields and the experiment's `Options` fields."""
-    options_class = experiments.get(experiment).Options
-    sections = yaml.safe_load((CONFIG_DIR / f"{experiment}.yaml").read_text())
+    kind = experiments.get(experiment)
+    path = CONFIG_DIR / f"{getattr(kind, 'config', experiment)}.yaml"  # simclr: moco's
+    sections = yaml.safe_load(path.read_text())
     known = sorted(set(sections) - {"common"})
     require(profile in known, f"unknown profile {profile!r} for {experiment}; known: {known}")
     train_types = get_type_hints(TrainConfig)
     del train_types["experiment"], train_types["options"]
-    types = {**get_type_hints(options_class), **train_types}
+    types = {**get_type_hints(kind.Options), **train_types}
     values = {}
     merged = {**(sections.get("common") or {}), **(sections[profile] or {}), "profile": profile}
     for key, value in {**merged, **(overrides or {})}.items():
@@ -118,7 +120,7 @@ def load_config(
             )
         values[key] = _typed(key, value, types[key])
     train_values = {k: values.pop(k) for k in list(values) if k in train_types}
-    return TrainConfig(experiment, options=options_class(**values), **train_values)
+    return TrainConfig(experiment, options=kind.Options(**values), **train_values)
 
 
 def code_fingerprint() -> dict:
@@ -262,7 +264,12 @@ class Trainer:
             config.options, seed=config.seed, device=self.device
         )
         self.train_set = self.experiment.load_data()
-        n = min(self.train_set.size, config.plan_sample or self.train_set.size)  # items an epoch
+        n = self.train_set.size  # items an epoch
+        if config.one_per_group:  # as MIL-NCE's loader draws one clip of each video
+            groups = self.train_set.groups
+            require(groups is not None, f"one_per_group: {config.experiment} names no groups")
+            self.group_of = torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
+            n = int(self.group_of.max()) + 1
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
@@ -357,14 +364,14 @@ class Trainer:
         self.run.log({**where, **scores})
 
     def _plan_epoch(self) -> dict:
-        """Each rank embeds its share of the epoch's items (all, or `plan_sample` drawn at random);
+        """Each rank embeds its share of the epoch's items (all, or one per group drawn afresh);
         rank 0 alone gathers them, plans, logs cost and diagnostics; every rank gets the plan."""
         config = self.config
         start = time.perf_counter()
         items = torch.arange(self.train_set.size)
-        if config.plan_sample is not None and config.plan_sample < len(items):
-            draw = seeding.generator(config.seed, self.epoch, "plan-sample")
-            items = torch.randperm(len(items), generator=draw)[: config.plan_sample].sort().values
+        if config.one_per_group:
+            draw = seeding.generator(config.seed, self.epoch, "one-per-group")
+            items = seeding.one_per_group(self.group_of, draw)
         z1 = z2 = None
         if config.sampler != "random" or config.log_loss_gap:  # one embedding serves both
             share = items.tensor_split(self.world_size)[self.rank]
@@ -500,7 +507,6 @@ class Trainer:
     def _summary(self) -> dict:
         """Score the last step's model and best.pt on test (per-item outputs in outputs.json) into
         results.json, with best.pt's dev score and each epoch's diagnostics; return a summary."""
-        config = self.config
         last_rows, last = self.score("last_test_")
         best = load_checkpoint(self.run.dir / "best.pt")
         self.model.load_state_dict(best["model"])
@@ -513,11 +519,7 @@ class Trainer:
         write_atomic(self.run.dir / "outputs.json", json.dumps({"best": outputs, "last": last}))
         return {
             "output_dir": str(self.run.dir),
-            "experiment": config.experiment,
-            "arm": rows[0]["arm"],
-            "seed": config.seed,
             "steps": self.step,
-            "steps_per_epoch": self.steps_per_epoch,
             "best_step": self.best.get("step"),
             "rows": rows,
             "outputs": {"best": outputs, "last": last},
@@ -571,8 +573,7 @@ def main(argv: list[str] | None = None) -> None:
         k: getattr(arguments, k) for k in ("seed", "sampler") if getattr(arguments, k) is not None
     }
     try:  # bad settings, a bad output directory or bad data: one line, no traceback
-        if not all("=" in pair for pair in arguments.overrides):
-            raise ValueError(f"--set takes KEY=VALUE, got {arguments.overrides}")
+        require(all("=" in pair for pair in arguments.overrides), "--set takes KEY=VALUE")
         overrides = {**dict(pair.split("=", 1) for pair in arguments.overrides), **overrides}
         config = load_config(arguments.experiment, arguments.profile, overrides)
         if arguments.print_config:

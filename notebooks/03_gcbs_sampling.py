@@ -583,9 +583,8 @@ plt.show()
 #
 # ## 7 · The epoch's batches
 #
-# `gcbs.gcbs_batches` makes an epoch's batches from the kit's variant: its order (relabelling seeded from
-# the run's seed and the epoch), cut into batches of $B$ by `gcbs.consecutive_batches` (the last short batch
-# dropped), the batch order shuffled. (The trainer cuts the published order the same way, unshuffled: section 8.)
+# The trainer reads an epoch's order, the published one of section 8 or a random shuffle alike, into batches of
+# $B$ with `gcbs.consecutive_batches` (the last short batch dropped, the batch order kept).
 # Identical texts embed identically, so RCM puts them side by side, where they would be false
 # negatives of each other: given `keys`, an item whose key its batch already holds waits for the next batch.
 # Here a quarter of the items are copies:
@@ -600,20 +599,15 @@ def shared_keys(batches):
     return sum(len(b) - len({keys[i] for i in b}) for b in batches.tolist())
 
 
-batches = gcbs.gcbs_batches(
-    d1, d2, batch_size, quantile=quantiles[0], seed=seed, epoch=0, keys=keys
-)
-unkeyed = gcbs.gcbs_batches(d1, d2, batch_size, quantile=quantiles[0], seed=seed, epoch=0)
-next_epoch = gcbs.gcbs_batches(
-    d1, d2, batch_size, quantile=quantiles[0], seed=seed, epoch=1, keys=keys
-)
+published = gcbs.published_permutation(d1, d2, quantiles[0])
+batches = gcbs.consecutive_batches(published, batch_size, keys)
+unkeyed = gcbs.consecutive_batches(published, batch_size)
 no_duplicate_in_batch = shared_keys(batches) == 0 < shared_keys(unkeyed)
 every_item_once = len(batches.unique()) == batches.numel() == n_items // batch_size * batch_size
 print(
     f"batches {tuple(batches.shape)}; items sharing a key with a batch-mate: "
-    f"{shared_keys(unkeyed)} without "
-    f"keys, {shared_keys(batches)} with keys; every item once: {every_item_once}; "
-    f"epoch 1 differs: {not torch.equal(batches, next_epoch)}"
+    f"{shared_keys(unkeyed)} without keys, {shared_keys(batches)} with keys; "
+    f"every item once: {every_item_once}"
 )
 
 # %% [markdown]
@@ -625,8 +619,8 @@ print(
 # $q$-quantile, the diagonal (the positive pairs) included; the diagonal entries above it are edges
 # too; RCM runs on the directed graph as scipy symmetrises it, without relabelling the nodes, so
 # isolated items keep the data's order; and the training loop reads the permuted set sequentially,
-# the batch order not shuffled. The kit's variant stays a function (`gcbs_permutation`, `gcbs_batches`),
-# not a sampler of the trainer; here both, on the same
+# the batch order not shuffled. The kit's variant stays a function (`gcbs_permutation`), not a sampler of
+# the trainer; here both, on the same
 # embeddings, at the paper's $q = 0.999$ and this notebook's smallest $q$, by the loss gap of the
 # order read sequentially (the last batch may be short) and by time:
 

@@ -46,10 +46,10 @@ output_dir = (
     "../runs/07_milnce_howto100m"  # one folder per run; a finished run is loaded, not retrained
 )
 overrides = {}  # further config keys for every training run, e.g. {"max_steps": 100}
-epochs = 6  # training on `source` (DDP run, random-vs-GCBS arms)
-batch_size = 32
-sweep_epochs = 6  # training on planted data in the K × σ sweep
-sweep_batch_size = 32
+epochs = 40  # training on `source` (DDP run, random-vs-GCBS arms): of one clip per video
+batch_size = 16
+sweep_epochs = 40  # training on planted data in the K × σ sweep
+sweep_batch_size = 16
 bag_sizes = [1, 3, 5]  # K in the sweep (planted data)
 sigmas = [0.0, 8.0]  # narration misalignment σ in seconds in the sweep (planted segments last 6 s)
 comparison_bag_size = 3  # K of the DDP run and the random-vs-GCBS arms

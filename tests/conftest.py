@@ -45,7 +45,8 @@ def planted_pair(rng: random.Random, i: int, split: str) -> dict:
     topic = rng.sample(WORDS, 4)
     doc = topic + rng.sample(WORDS, 2)
     code = ["def", f"f{i}", "(", "x", ")", ":", "return", *topic, *rng.sample(WORDS, 3)]
-    return {"url": f"planted/{split}/{i}", "docstring_tokens": doc, "code_tokens": code}
+    url = f"planted/{split}/file{i // 4}.py#L{i}"  # four functions a file
+    return {"url": url, "docstring_tokens": doc, "code_tokens": code}
 
 
 @pytest.fixture(scope="module")

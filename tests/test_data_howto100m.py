@@ -263,3 +263,11 @@ def test_the_python_doc_standin_is_written_in_the_howto100m_layout(tmp_path):
     expected = encode(["x = 1\ny = 2"])[0]
     features = features_of(store, bags, np.array([1]))[0]
     np.testing.assert_allclose(features, np.tile(expected / np.linalg.norm(expected), 2), rtol=1e-3)
+
+
+def test_each_section_of_a_page_is_a_video_of_its_own():
+    page = f"{RST}\n=======\nOverlined\n=======\n\nIts text.\n\nSecond\n------\n\nMore text.\n"
+    parts = standin.sections(page)
+    assert [part.splitlines()[0] for part in parts] == ["Title", "=======", "Second"]
+    assert parts[0].rstrip("\n") == RST.rstrip("\n") and parts[1].splitlines()[1] == "Overlined"
+    assert standin.sections("No heading at all.\n\n   ----\n") == ["No heading at all.\n\n   ----"]

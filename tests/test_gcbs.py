@@ -10,13 +10,12 @@ from scipy.sparse.csgraph import maximum_flow, reverse_cuthill_mckee
 
 from gcbs_lib import gcbs
 from gcbs_lib.gcbs import (
-    gcbs_batches,
+    consecutive_batches,
     gcbs_permutation,
     loss_gap,
     published_permutation,
     same_group_pairs,
 )
-from gcbs_lib.seeding import generator, stream_seed
 
 BATCH, TAU = 32, 0.05
 
@@ -254,35 +253,25 @@ def test_on_planted_clusters_gcbs_batches_have_a_smaller_loss_gap_than_random_on
 # ----------------------------------------------------------------------------------- batches
 
 
-def test_batches_are_the_order_cut_last_short_dropped_and_shuffled_by_seed_and_epoch():
-    z1, z2 = pairs(210, 8, clusters=6)
-    batches = gcbs_batches(z1, z2, 20, quantile=0.98, seed=3, epoch=2)
-    assert batches.dtype == torch.long and batches.shape == (10, 20)
-    order = gcbs_permutation(z1, z2, 0.98, stream_seed(3, 2, "gcbs-relabel"))
-    shuffle = torch.randperm(10, generator=generator(3, 2, "gcbs-batch-shuffle"))
-    assert torch.equal(batches, order[:200].view(10, 20)[shuffle])
+def test_batches_are_the_order_cut_the_last_short_one_dropped():
+    order = published_permutation(*pairs(210, 8, clusters=6), 0.98)
+    batches = consecutive_batches(order, 20)
+    assert batches.dtype == torch.long and torch.equal(batches, order[:200].view(10, 20))
 
 
-def test_batches_are_deterministic_for_a_seed_and_epoch_and_differ_across_them():
-    z1, z2 = pairs(300, 8, clusters=6)
-    runs = {
-        (s, e): gcbs_batches(z1, z2, 25, quantile=0.98, seed=s, epoch=e)
-        for s, e in [(0, 0), (0, 1), (1, 0)]
-    }
-    assert torch.equal(runs[(0, 0)], gcbs_batches(z1, z2, 25, quantile=0.98, seed=0, epoch=0))
-    assert not torch.equal(runs[(0, 1)], runs[(0, 0)]) and not torch.equal(
-        runs[(1, 0)], runs[(0, 1)]
-    )
+def keyed(z1, z2, batch_size, quantile, keys=None):
+    """The trainer's GCBS batches: the published order cut with the duplicate keys."""
+    return consecutive_batches(published_permutation(z1, z2, quantile), batch_size, keys)
 
 
 def test_equal_keys_never_share_a_batch():
     # every text occurs 2 or 3 times, and its copies embed identically
     keys = [i % 120 for i in range(300)]
     z1, z2 = (z[torch.tensor(keys)] for z in pairs(300, 16, clusters=5))
-    batches = gcbs_batches(z1, z2, 20, quantile=0.99, keys=keys)
+    batches = keyed(z1, z2, 20, 0.99, keys)
     assert batches.shape == (15, 20) and len(batches.unique()) == 300
     assert all(len({keys[i] for i in batch}) == 20 for batch in batches.tolist())
-    together = gcbs_batches(z1, z2, 20, quantile=0.99)
+    together = keyed(z1, z2, 20, 0.99)
     # without keys they would meet
     assert any(len({keys[i] for i in batch}) < 20 for batch in together.tolist())
 
@@ -291,7 +280,7 @@ def test_copies_of_one_key_at_the_end_of_the_order_still_get_one_batch_each():
     keys = list(range(56)) + ["same"] * 8  # 8 batches of 8: one copy for each
     z1, z2 = pairs(64, 4)
     z1[56:], z2[56:] = z1[56], z2[56]  # identical copies: RCM puts them side by side
-    batches = gcbs_batches(z1, z2, 8, quantile=0.9, keys=keys)
+    batches = keyed(z1, z2, 8, 0.9, keys)
     assert len(batches.unique()) == 64 and all(
         len({keys[i] for i in b}) == 8 for b in batches.tolist()
     )
@@ -316,7 +305,7 @@ def test_keys_are_kept_apart_exactly_when_some_choice_of_batches_allows_it():
         keys = rng.integers(0, int(rng.integers(2, n + 1)), n).tolist()
         z1, z2 = pairs(n, 4, seed=trial)
         try:
-            batches = gcbs_batches(z1, z2, batch_size, quantile=0.5, keys=keys)
+            batches = keyed(z1, z2, batch_size, 0.5, keys)
             assert len(batches.unique()) == batches.numel() == n // batch_size * batch_size
             assert all(len({keys[i] for i in b}) == batch_size for b in batches.tolist())
             separated = True
@@ -330,7 +319,7 @@ def test_keys_are_kept_apart_exactly_when_some_choice_of_batches_allows_it():
 
 def test_keys_must_be_one_per_item():
     with pytest.raises(ValueError, match="63 keys for 64 items"):
-        gcbs_batches(*pairs(64, 4), 8, keys=list(range(63)))
+        keyed(*pairs(64, 4), 8, 0.9, list(range(63)))
 
 
 # ---------------------------------------------------------------------------------- loss gap
@@ -354,7 +343,7 @@ def test_loss_gap_equals_global_minus_in_batch_cross_entropy_in_float64():
 
 def test_loss_gap_of_planned_batches_is_the_gap_over_their_items(monkeypatch):
     z1, z2 = pairs(210, 8, clusters=6)
-    batches = gcbs_batches(z1, z2, 20, quantile=0.98)
+    batches = keyed(z1, z2, 20, 0.98)
     items = batches.flatten()
     logits = F.normalize(z1[items].double(), dim=1) @ F.normalize(z2[items].double(), dim=1).T / TAU
     terms = [
@@ -447,7 +436,7 @@ def test_loss_gap_refuses_bad_orders_batch_sizes_and_temperatures(
 
 def test_batches_larger_than_the_data_are_refused():
     with pytest.raises(ValueError, match="N smaller than a batch"):
-        gcbs_batches(torch.randn(10, 4), torch.randn(10, 4), 11)
+        keyed(torch.randn(10, 4), torch.randn(10, 4), 11, 0.9)
 
 
 def test_the_published_order_is_computed_without_tf32_and_leaves_the_setting_as_it_was(monkeypatch):

@@ -10,6 +10,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from test_data_images import write_idx
 
 from gcbs_lib.experiments import get, moco
@@ -415,3 +416,32 @@ def test_bad_options_are_refused(image_root):
     experiment, model, config = experiment_and_model(image_root, bn_splits=3)
     with pytest.raises(ValueError, match="world size = 3 must divide the batch, got 16"):
         model.query(experiment.collate(list(range(16))).inputs[0])
+
+
+def test_simclr_trains_both_views_through_the_query_encoder_against_the_batch(image_root, tmp_path):
+    """The in-batch comparison: MoCo's profiles and encoder, InfoNCE over the batch's views, no
+    queue and no momentum update; GCBS orders by f_q's embeddings of the fixed views."""
+    config = load_config("simclr", "ci", {**TINY, "data_root": str(image_root), "max_steps": 1})
+    assert (
+        config.options == load_config("moco", "ci", {**TINY, "data_root": str(image_root)}).options
+    )
+    experiment = get("simclr")(config.options, seed=0, device="cpu")
+    experiment.load_data()
+    model = experiment.build_model()
+    assert experiment.branches(model) == [model.query, model.query]
+    batch = experiment.collate(list(range(16)))
+    torch.manual_seed(0)
+    z1, z2 = (model.query(x) for x in batch.inputs)
+    logits = z1 @ z2.T * config.scale
+    expected = F.cross_entropy(logits, torch.arange(16))
+    torch.testing.assert_close(experiment.loss([z1, z2], batch, config.scale), expected)
+    queue = model.queue.clone()
+    key = copy.deepcopy(model.key.state_dict())
+    experiment.after_step(model)
+    assert torch.equal(model.queue, queue)
+    assert all(torch.equal(v, model.key.state_dict()[k]) for k, v in key.items())
+    pair = experiment.pair_embeddings(model.eval(), torch.arange(4))
+    expected = model.query(experiment.train[:4], experiment.gcbs_views[0][:4])
+    torch.testing.assert_close(pair[0], expected)
+    summary = train(config, tmp_path / "run")
+    assert summary["rows"][0]["model"].startswith("simclr-") and summary["steps"] == 1

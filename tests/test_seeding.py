@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gcbs_lib.seeding import fixed_subset, generator, stream_seed
+from gcbs_lib.seeding import fixed_subset, generator, one_per_group, stream_seed
 
 
 def test_a_stream_seed_is_reproducible():
@@ -56,3 +56,14 @@ def test_no_limit_or_a_limit_beyond_the_size_keeps_everything():
 def test_a_limit_below_one_is_refused_naming_the_subset(limit):
     with pytest.raises(ValueError, match=f"the train-subset limit must be at least 1, got {limit}"):
         fixed_subset(100, limit, "train-subset")
+
+
+def test_one_per_group_draws_each_group_once_uniformly_and_reproducibly():
+    groups = torch.tensor([2, 0, 2, 1, 2, 0])  # group 2 holds items 0, 2 and 4
+    draws = [one_per_group(groups, generator(0, epoch, "one-per-group")) for epoch in range(3000)]
+    assert all(groups[d].sort().values.tolist() == [0, 1, 2] for d in draws)
+    assert all(d.tolist() == sorted(d.tolist()) for d in draws)
+    picked = torch.stack(draws).flatten().bincount(minlength=6) / len(draws)
+    assert picked[3] == 1 and picked[[1, 5]].sum() == 1
+    assert torch.allclose(picked[[0, 2, 4]], torch.tensor(1 / 3), atol=0.03)
+    assert torch.equal(draws[7], one_per_group(groups, generator(0, 7, "one-per-group")))

@@ -18,6 +18,7 @@ EXPERIMENTS = {
     "promcse": "promcse:PromCSE",
     "milnce": "milnce:MilNce",
     "moco": "moco:MoCo",
+    "simclr": "moco:SimCLR",
 }
 
 

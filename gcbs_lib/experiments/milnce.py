@@ -27,7 +27,7 @@ from gcbs_lib.metrics import median_rank, recall_at, retrieval_ranks
 from gcbs_lib.models import PAD_ID, HashingTokenizer
 from gcbs_lib.seeding import fixed_subset, generator, stream_seed
 
-NAMES = {"python-doc": "python3.11-doc", "howto100m": "paper"}  # planted: planted-sigma<σ>
+NAMES = {"python-doc": "python3.11-doc-sections", "howto100m": "paper"}  # planted: planted-sigma<σ>
 
 
 class SentenceHead(nn.Module):
@@ -89,7 +89,7 @@ class MilNce(Experiment):
         """Rank 0 builds the data once (a stand-in's script, `write_splits`); every rank maps it."""
         o, (rank, world_size) = self.options, rank_and_world_size()
         planted = f"planted-v{o.planted_videos}-s{o.planted_sigma:g}-d{o.planted_dim}"
-        name = planted if o.source == "planted" else o.source
+        name = {"planted": planted, "python-doc": "python-doc-sections"}.get(o.source, o.source)
         self.root = data_root() / "howto100m" / name
         if o.data_dir:
             self.root = data_root(o.data_dir, "data_dir", built_here=o.source != "howto100m")

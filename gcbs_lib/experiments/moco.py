@@ -295,9 +295,10 @@ class MoCo(Experiment):
         model.momentum_update(self.options.momentum)
 
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
-        """f_k's embeddings of each image's two fixed views (drawn once per run, from its seed)."""
+        """The key branch's embeddings of each image's two fixed views (drawn once per run)."""
         images = self.train[indices].to(self.device)
-        return tuple(model.key(images, views[indices]) for views in self.gcbs_views)
+        key = self.branches(model)[1]
+        return tuple(key(images, views[indices]) for views in self.gcbs_views)
 
     def evaluate(self, model: nn.Module, split: str) -> Outputs:
         """Each image of `split`: its class and the weighted kNN vote over the training images on
@@ -324,3 +325,20 @@ class MoCo(Experiment):
         images = outputs["images"]
         hits = [p == g for p, g in zip(images["predicted"], images["gold"], strict=True)]
         return {"knn_accuracy": sum(hits) / len(hits)}
+
+
+class SimCLR(MoCo):
+    """Where GCBS's mechanism applies: MoCo's encoder, head, views, split BatchNorm and profiles,
+    trained as SimCLR trains, both views through f_q with gradients, each view's negatives the other
+    view of the batch's other images; no queue, no momentum encoder."""
+
+    config = "moco"  # profiles: configs/moco.yaml
+    model_name = property(
+        lambda self: "simclr-resnet-w{0.width}-{0.stages}x{0.blocks}".format(self.options)
+    )
+
+    def branches(self, model: nn.Module) -> list[nn.Module]:
+        return [model.query, model.query]
+
+    loss = Experiment.loss  # InfoNCE of the first views over the batch's second views
+    after_step = Experiment.after_step
