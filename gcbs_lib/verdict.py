@@ -71,16 +71,14 @@ def chance_band(experiment: str, outputs: experiments.Outputs) -> dict[str, tupl
     }
 
 
-def gate(
-    metric: str, start, random, band: tuple[float, float], baseline: float | None
-) -> list[str]:
-    """Why this comparison cannot measure anything (empty: it can): `start`, `random` are the
-    Summaries (mean, sd, n) of the untrained model and the random arm, `band` the chance band's
-    (mean, sd), `baseline` the trivial scorer's value or None."""
+def gate(metric: str, start, random, band: tuple, baseline: float | None, scratch=False) -> list:
+    """Why this comparison cannot measure anything (empty: it can): `start`, `random`: Summaries of
+    the untrained model and the random arm, `band`: the chance band's (mean, sd), `baseline`: the
+    trivial scorer's value or None; a `scratch` start (a random init) is not held to chance."""
     sign = -1 if metric.endswith("median_rank") else 1  # lower is better
     chance = band[0] + sign * MARGIN * band[1]
     reasons = []
-    for name, summary in (("the start", start), ("random", random)):
+    for name, summary in (("the start", None if scratch else start), ("random", random)):
         if summary and sign * (summary.mean - chance) <= 0:
             reasons.append(f"{name} within chance ({band[0]:.3g} ± {MARGIN}·{band[1]:.2g})")
     if baseline is not None and sign * (random.mean - baseline) <= 0:

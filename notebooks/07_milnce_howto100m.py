@@ -396,16 +396,19 @@ print(
 # "Excluded" captions overlap the clip's window without being in its bag: when another clip's bag brings them
 # into the batch, the loss must not treat them as negatives (`mil_nce(..., exclude_idx=...)`).
 #
-# Now the training data of the rest of the notebook (`source`), prepared once by the experiment:
+# Now the training data of the rest of the notebook (`source`), prepared once by the experiment. As the official
+# loader does, an epoch trains on **one clip (with its bag) of every training video**, drawn afresh each epoch
+# (`one_per_group`, the video id as the group): an epoch has as many items as there are videos, and no batch
+# holds two clips of one video, whose captions would be false negatives of each other.
 
 # %%
 options = load_config("milnce", profile, source_options).options
 experiment = MilNce(options, seed=seed, device=device)
-n_clips = experiment.load_data().size
+train_set = experiment.load_data()
+n_clips, n_videos = train_set.size, len(set(train_set.groups))
 print(
-    f"{n_clips} training clips in {len(experiment.bags['video_ids'])} videos under "
-    f"{experiment.root.name};",
-    f"{len(experiment.eval_sets['test']['clip_video'])} test queries",
+    f"{n_clips} training clips in {n_videos} videos under {experiment.root.name}: an epoch of "
+    f"{n_videos} clips; {len(experiment.eval_sets['test']['clip_video'])} test queries"
 )
 
 # %% [markdown]

@@ -172,11 +172,11 @@ def paper_root(data_root):
 
 @pytest.fixture(scope="module")
 def howto100m(tmp_path_factory):
-    """Ten videos as HowTo100M ships them: features_{2d,3d}/<id>.npy [T, 2048] float16 and
-    caption.json."""
+    """Sixty videos as HowTo100M ships them: features_{2d,3d}/<id>.npy [T, 2048] float16 and
+    caption.json (36 train videos: an epoch of one clip each holds a batch of 32)."""
     root, rng = tmp_path_factory.mktemp("howto100m"), np.random.default_rng(0)
     captions = {}
-    for v in range(10):
+    for v in range(60):
         # YouTube ids, 11 characters, may start with "-"
         video = f"{'-' if v == 0 else 'v'}{v:02d}aBcD_e9F"
         for stream, fps in (("2d", 1.0), ("3d", 1.5)):

@@ -489,7 +489,6 @@ def test_a_rerun_of_a_finished_run_says_it_reuses_it_returns_its_summary_and_log
         "test",
         "epochs",
         "dev",
-        "train_seconds",
     }
     assert set(first["test"]) == {"mrr", "recall@1", "recall@10"}
     other = load_config(

@@ -10,6 +10,8 @@ import pytest
 
 from gcbs_lib import results, verdict
 from gcbs_lib.experiments.codesearch import CodeSearch
+from gcbs_lib.experiments.milnce import MilNce
+from gcbs_lib.experiments.moco import MoCo
 from gcbs_lib.experiments.simcse import SimCSE
 from gcbs_lib.results import Summary, build_table, write_rows
 
@@ -124,6 +126,21 @@ def test_the_gate_asks_for_a_gain_over_the_start_and_a_trivial_baseline_beaten()
     assert not verdict.gate(
         "test_median_rank", Summary(300, 0, 3), Summary(100, 5, 3), (500, 10), None
     )
+
+
+def test_a_start_trained_from_scratch_is_held_to_its_gain_not_to_chance():
+    band = (0.014, 0.004)  # R@10 of 700 clips
+    start, random = Summary(0.015, 0.003, 3), Summary(0.15, 0.01, 3)
+    assert verdict.gate("test_r10", start, random, band, None) == [
+        "the start within chance (0.014 ± 3·0.004)"
+    ]
+    assert verdict.gate("test_r10", start, random, band, None, scratch=True) == []
+    stuck = Summary(0.016, 0.01, 3)
+    assert verdict.gate("test_r10", start, stuck, band, None, scratch=True) == [
+        "random within chance (0.014 ± 3·0.004)",
+        "random's gain over the start under 3 seed sd",
+    ]
+    assert MilNce.from_scratch and MoCo.from_scratch and not SimCSE.from_scratch
 
 
 def test_the_chance_band_is_the_metric_under_shuffled_gold():

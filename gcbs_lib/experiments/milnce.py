@@ -80,6 +80,7 @@ class MilNce(Experiment):
         planted_dim: int = 32  # feature width per stream of planted data (real: 2048)
 
     dev_metric = "r10"
+    from_scratch = True
     data_name = property(
         lambda self: NAMES.get(self.options.source, f"planted-sigma{self.options.planted_sigma:g}")
     )

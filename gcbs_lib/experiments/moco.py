@@ -238,9 +238,11 @@ class MoCo(Experiment):
         bn_splits: int = 8  # BatchNorm groups of a batch: bn_splits / world size per rank
 
     dev_metric = "knn_accuracy"
+    from_scratch = True
     data_name = property(lambda self: DATA_NAMES[self.options.data])
+    family = "moco-v2"  # of the model name
     model_name = property(
-        lambda self: "moco-v2-resnet-w{0.width}-{0.stages}x{0.blocks}".format(self.options)
+        lambda self: "{1}-resnet-w{0.width}-{0.stages}x{0.blocks}".format(self.options, self.family)
     )
 
     def load_data(self) -> TrainSet:
@@ -333,9 +335,7 @@ class SimCLR(MoCo):
     view of the batch's other images; no queue, no momentum encoder."""
 
     config = "moco"  # profiles: configs/moco.yaml
-    model_name = property(
-        lambda self: "simclr-resnet-w{0.width}-{0.stages}x{0.blocks}".format(self.options)
-    )
+    family = "simclr"
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.query]
