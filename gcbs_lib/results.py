@@ -12,6 +12,7 @@ import os
 import statistics
 import subprocess
 from collections import namedtuple
+from functools import cache
 from operator import itemgetter
 from pathlib import Path
 
@@ -207,6 +208,8 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
     for record in outputs:
         key = (record["experiment"], record["arm"], record["checkpoint"])
         runs.setdefault(key, {})[record["seed"]] = record["outputs"]
+    # Δ's intervals of every metric by (experiment, arm, checkpoint), drawn once for all its lines
+    boot = cache(lambda e, a, c: verdict.bootstrap(e, runs[e, a, c], runs[e, "random", c]))
     lines = []
     for (experiment, model, data, profile, metric), arms in groups.items():
         if metric.startswith("last_") or "@epoch" in metric:
@@ -226,7 +229,7 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
             judged = (None, None, [], "")
             if differences and metric.startswith("test_"):
                 baseline = trivial[0] if trivial else None
-                judged = judge(runs, experiment, metric, arm, summaries, baseline, paper)
+                judged = judge(runs, boot, experiment, metric, arm, summaries, baseline, paper)
             measured = (delta, *interval(differences), *judged)
             gaps = [first_epoch(groups, names[:1] + names[3:], name, arm) for name in DIAGNOSTICS]
             lines.append(
@@ -243,17 +246,17 @@ def first_epoch(groups: dict, where: tuple, name: str, arm: str) -> tuple[float,
     return tuple(m.mean for m in means) if all(means) else None
 
 
-def judge(runs: dict, experiment, metric, arm, summaries, baseline, paper) -> tuple:
+def judge(runs: dict, boot, experiment, metric, arm, summaries, baseline, paper) -> tuple:
     """(boot_low, boot_high, the gate's reasons, the verdict) of a test metric's line from the runs'
-    per-item outputs {(experiment, arm, checkpoint): {seed: Outputs}}."""
+    per-item outputs {(experiment, arm, checkpoint): {seed: Outputs}} and `boot`, their Δ's
+    bootstrap intervals by (experiment, arm, checkpoint)."""
     if (experiment, arm, "best") not in runs:
         return None, None, [], "no per-item test outputs: no verdict"
     name = metric.removeprefix("test_")
     intervals = {}
     for checkpoint in ("best", "last"):
         if (experiment, arm, checkpoint) in runs:
-            ours, theirs = (runs[experiment, a, checkpoint] for a in (arm, "random"))
-            intervals[checkpoint] = verdict.bootstrap(experiment, ours, theirs)[name]
+            intervals[checkpoint] = boot(experiment, arm, checkpoint)[name]
     random = runs[experiment, "random", "best"]
     band = verdict.chance_band(experiment, random[min(random)])[name]
     scratch = experiments.get(experiment).from_scratch
@@ -420,16 +423,9 @@ def update_readme(readme=REPOSITORY / "README.md", folder=COMMITTED, check: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m gcbs_lib.results", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m gcbs_lib.results", description=__doc__)
     add = parser.add_argument
-    add(
-        "command",
-        choices=("collect", "readme", "verify"),
-        help="collect RUN_DIR; readme: regenerate the table; verify: recompute it, exit 1 on a "
-        "disagreement",
-    )
+    add("command", choices=("collect", "readme", "verify"), help="verify: exit 1 on a disagreement")
     add("run_dir", type=Path, nargs="?", help="collect: a folder written by gcbs_lib.reproduce")
     add("--results-dir", type=Path, default=COMMITTED, help="committed rows (default: results/)")
     add("--readme", type=Path, default=REPOSITORY / "README.md")

@@ -255,18 +255,27 @@ print(f"verdict: {line.verdict}")
 # queue, not in-batch negatives, so here the gap describes the batches that enter the queue together; random
 # batches stay near $\log(N/B)$. Right: the test Δ with its 95 % interval (the paper gives no MoCo number).
 
+
 # %% tags=["figure:knn-accuracy-and-loss-gap"]
-fig, (left, right, delta) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
-plot_over_seeds(left, summaries, arms, "dev", "knn_accuracy")
-for arm, gaps in plot_over_seeds(right, summaries, arms, "epochs", "loss_gap").items():
-    print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
+def plot_comparison(summaries, lines, title, labels=None):
+    """Dev kNN accuracy and each epoch's loss gap of both arms (mean ± 1 sd over seeds), and the
+    test Δ of `lines` with their bootstrap intervals (labelled `labels`)."""
+    fig, (left, right, delta) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
+    plot_over_seeds(left, summaries, arms, "dev", "knn_accuracy")
+    for arm, gaps in plot_over_seeds(right, summaries, arms, "epochs", "loss_gap").items():
+        print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
+    left.set(ylabel="dev kNN accuracy", title=f"{title} ({profile} profile, {data})")
+    right.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
+    plot_deltas(delta, lines)
+    if labels:
+        delta.set_yticks(range(len(lines)), labels)
+    delta.set_title("test kNN accuracy: GCBS − random")
+    plt.tight_layout()
+    plt.show()
+
+
+plot_comparison(summaries, [line], "MoCo kNN accuracy")
 print(f"log(N/B) = {torch.log(torch.tensor(train_size / config.batch_size)).item():.4f}")
-left.set(ylabel="dev kNN accuracy", title=f"MoCo kNN accuracy ({profile} profile, {data})")
-right.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
-plot_deltas(delta, [line])
-delta.set_title("test kNN accuracy: GCBS − random")
-plt.tight_layout()
-plt.show()
 
 # %% [markdown]
 # ## 9 · Negatives from the batch: where GCBS's mechanism applies
@@ -295,19 +304,8 @@ batch_line = batch_lines["gcbs/test_knn_accuracy"]
 print(f"in-batch negatives, verdict: {batch_line.verdict}")
 
 # %% tags=["figure:in-batch-knn-accuracy-and-loss-gap"]
-fig, (left, right, delta) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
-plot_over_seeds(left, batch_summaries, arms, "dev", "knn_accuracy")
-for arm, gaps in plot_over_seeds(right, batch_summaries, arms, "epochs", "loss_gap").items():
-    print(
-        f"{arm:>7} loss gap per epoch (in-batch negatives): " + "  ".join(f"{g:.4f}" for g in gaps)
-    )
-left.set(ylabel="dev kNN accuracy", title=f"in-batch negatives ({profile} profile, {data})")
-right.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
-plot_deltas(delta, [line, batch_line])
-delta.set_yticks([0, 1], ["queue (MoCo)", "batch (SimCLR-style)"])
-delta.set_title("test kNN accuracy: GCBS − random")
-plt.tight_layout()
-plt.show()
+labels = ["queue (MoCo)", "batch (SimCLR-style)"]
+plot_comparison(batch_summaries, [line, batch_line], "in-batch negatives", labels)
 
 # %% [markdown]
 # ## Checks
