@@ -100,10 +100,10 @@ def load_config(
     experiment: str, profile: str = "ci", overrides: dict[str, Any] | None = None
 ) -> TrainConfig:
     """The config of `experiment`: the `common`, then the `profile` section of
-    `configs/<experiment>.yaml` (or of its class's `config`), then `overrides` (typed values or
+    `configs/<experiment>.yaml` (or its class's `config`), then `overrides` (typed values or
     `--set` strings), as `TrainConfig` fields and the experiment's `Options` fields."""
     kind = experiments.get(experiment)
-    path = CONFIG_DIR / f"{getattr(kind, 'config', experiment)}.yaml"
+    path = CONFIG_DIR / f"{kind.config or experiment}.yaml"
     sections = yaml.safe_load(path.read_text())
     known = sorted(set(sections) - {"common"})
     require(profile in known, f"unknown profile {profile!r} for {experiment}; known: {known}")

@@ -56,6 +56,7 @@ class Experiment(ABC):
     data_name: str
     model_name: str
     supports_mining = False  # collate takes mined `negatives`
+    config: str | None = None  # configs/<config>.yaml holds its profiles (default: its own name)
     from_scratch = False  # the start is a random init (the gate does not hold it to chance)
 
     def __init__(self, options, *, seed: int, device):
