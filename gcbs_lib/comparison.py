@@ -174,9 +174,8 @@ def plot_deltas(ax, lines) -> None:
     """Each line's Δ with its 95 % bootstrap interval (seeds × test items), beside the paper's Δ (×)
     and 0."""
     for y, line in enumerate(lines):
-        low, high = (
-            (line.boot_low, line.boot_high) if line.boot_low is not None else (line.delta,) * 2
-        )
+        bootstrap = (line.boot_low, line.boot_high)
+        low, high = bootstrap if line.boot_low is not None else (line.delta,) * 2
         xerr = [[line.delta - low], [high - line.delta]]
         ax.errorbar(line.delta, y, xerr=xerr, fmt="o", color="k", capsize=4)
         if line.paper and line.paper.deltas:

@@ -190,10 +190,12 @@ print(
 # %% [markdown]
 # ## 5 · Two views per image, seeded like dropout
 #
-# Random resized crops (area 0.2–1, aspect 3/4–4/3) and flips, one affine grid per image (`RandomViews`);
-# on colour images also MoCo v2's colour jitter (brightness, contrast, saturation 0.4, hue 0.1, in random
-# order, with p 0.8) and grayscale (p 0.2), in plain torch; grey stand-ins have no colour to jitter. The trainer reseeds torch's generator every step, so the views of a run are a
-# function of its seed and step: the same stream seed gives the same views.
+# Random resized crops (area 0.2–1, aspect 3/4–4/3) and flips, one affine grid per image (`RandomViews`),
+# then MoCo v2's colour jitter (brightness, contrast, saturation 0.4, hue 0.1, in random order, with p 0.8)
+# and grayscale (p 0.2), in plain torch. On the grey stand-ins brightness and contrast alone act, as
+# torchvision's `ColorJitter` acts on a grey image: without them two crops of one image share its grey levels,
+# a shortcut that tells images apart without their shapes. The trainer reseeds torch's generator every step,
+# so the views of a run are a function of its seed and step: the same stream seed gives the same views.
 
 # %% tags=["figure:augmented-views"]
 views, x = experiment.views.train(), experiment.train[:6]
@@ -283,14 +285,16 @@ print(f"log(N/B) = {torch.log(torch.tensor(train_size / config.batch_size)).item
 # GCBS puts hard negatives into one batch so that the in-batch loss comes closer to the loss over the whole
 # training set (the loss gap, notebook 03). MoCo's loss never sees the other images of the batch: its
 # negatives are the queue, so the order acts only through split BatchNorm's statistics and through which keys
-# enter the queue together. The `simclr` experiment keeps everything else (encoder, head, views, split
-# BatchNorm, the `moco` profile) and trains as SimCLR does: both views through $f_q$ with gradients, and each
-# image's first view scored against the second views of the whole batch,
+# enter the queue together. The `simclr` experiment keeps everything else (encoder, head, views, the `moco`
+# profile) and trains as SimCLR does: both views through $f_q$ with gradients, and each image's first view
+# scored against the second views of the whole batch,
 #
 # $$\ell_i = -\log \frac{e^{z_i\cdot z'_i/\tau}}{\sum_{j=1}^{B} e^{z_i\cdot z'_j/\tau}},$$
 #
-# no queue, no momentum encoder (GCBS orders by $f_q$'s embeddings of the two fixed views). Same seeds, same
-# gate (chance, raw-pixel kNN, the gain over the start) and the same bootstrap as section 7.
+# no queue, no momentum encoder (GCBS orders by $f_q$'s embeddings of the two fixed views). BatchNorm is
+# SimCLR's, over each view's whole batch: with split groups and no shuffled branch, an image's two views would
+# share their group's statistics, a cue that tells them from the other groups' images. Same seeds, same gate
+# (chance, raw-pixel kNN, the gain over the start) and the same bootstrap as section 7.
 
 # %%
 print(inspect.getsource(SimCLR))

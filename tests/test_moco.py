@@ -124,30 +124,28 @@ def test_views_are_seeded_reproducible_and_replayable():
 def test_a_full_crop_is_the_image_and_a_flipped_full_crop_its_mirror():
     views = RandomViews(1).eval()
     x = torch.randint(0, 256, (3, 1, 28, 28), dtype=torch.uint8)
-    full = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]).repeat(3, 1, 1)
+    # no jitter (factors 1, 1, 1, hue 0), no grayscale, the ops' order
+    kept = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.1], [0.2, 0.3, 0.4]]
+    full = torch.tensor(kept).repeat(3, 1, 1)
     torch.testing.assert_close(views(x, full), views(x), atol=1e-5, rtol=0)
     full[:, 0, 0] = -1
     torch.testing.assert_close(views(x, full), views(x).flip(-1), atol=1e-5, rtol=0)
 
 
-def test_one_channel_views_are_the_crops_and_flips_of_before_bitwise():
-    """Grayscale images draw no colour: the views and the generator's stream are those of the
-    crops-and-flips layer before colour jitter came (golden values of that commit)."""
-    x = torch.arange(2 * 28 * 28).remainder(251).to(torch.uint8).view(2, 1, 28, 28)
-    views = RandomViews(1).double().train()
-    torch.manual_seed(0)
-    out = views(x)
-    assert out.sum().item() == pytest.approx(-20.671931540749245, rel=1e-13)
-    assert out.abs().sum().item() == pytest.approx(726.117258076622, rel=1e-13)
-    stream = torch.Generator().manual_seed(1)
-    params = views.sample(2, stream)
-    expected = [
-        [-0.53024554719470984, 0.0, 0.19576103889643742],
-        [0.0, 0.5423055119378003, 0.0730263056114760],
-    ]
-    torch.testing.assert_close(params[1], torch.tensor(expected, dtype=torch.float64))
-    assert params.shape == (2, 2, 3)
-    assert torch.rand(1, generator=stream).item() == 0.31379687786102295  # five draws an image
+def test_grey_views_jitter_brightness_and_contrast_as_torchvision_does_on_a_grey_image():
+    """On one channel, saturation, hue and the grayscale flag leave an image as it is; brightness
+    and contrast (blends with black and the mean grey) act in the drawn order, clamped to [0, 1]."""
+    x = torch.rand(2, 1, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    b, c = 1.3, 0.7
+    brightness_first = [b, c, 1.4, 0.1, 1.0, 0.1, 0.2, 0.3, 0.4]
+    contrast_first = [b, c, 1.4, 0.1, 1.0, 0.2, 0.1, 0.3, 0.4]
+    out = colour(x, torch.tensor([brightness_first, contrast_first], dtype=torch.float64))
+    brighter = (b * x[0]).clamp(0, 1)
+    expected = (c * brighter + (1 - c) * brighter.mean()).clamp(0, 1)
+    torch.testing.assert_close(out[0], expected, rtol=0, atol=1e-12)
+    contrasted = (c * x[1] + (1 - c) * x[1].mean()).clamp(0, 1)
+    torch.testing.assert_close(out[1], (b * contrasted).clamp(0, 1), rtol=0, atol=1e-12)
+    assert RandomViews(1).sample(3).shape == (3, 5, 3)
 
 
 def flat_colours(n: int) -> torch.Tensor:
@@ -429,6 +427,9 @@ def test_simclr_trains_both_views_through_the_query_encoder_against_the_batch(im
     experiment.load_data()
     model = experiment.build_model()
     assert experiment.branches(model) == [model.query, model.query]
+    # SimCLR's BatchNorm: no split groups whose statistics an image's two views would share
+    norms = [m for m in model.modules() if isinstance(m, SplitBatchNorm2d)]
+    assert config.options.bn_splits > 1 and norms and {m.splits for m in norms} == {1}
     batch = experiment.collate(list(range(16)))
     torch.manual_seed(0)
     z1, z2 = (model.query(x) for x in batch.inputs)

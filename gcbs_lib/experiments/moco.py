@@ -5,10 +5,10 @@ The query view of an image goes through the trained encoder f_q (a small ResNet,
 key view through the momentum encoder f_k (no gradients; θ_k ← m·θ_k + (1 − m)·θ_q after every
 step). The negatives are a queue of the K latest keys (a model buffer: checkpoints hold it),
 enqueued after the loss, ℓ_i = −log( e^{q_i·k_i/τ} / (e^{q_i·k_i/τ} + Σ_{j=1}^{K} e^{q_i·queue_j/τ})
-), τ = 0.2 (paper profile: 0.1). Views (crops and flips; on RGB images also MoCo v2's colour jitter
-and grayscale) are a random layer of each branch, seeded by the trainer like dropout. As in the MoCo
-CIFAR-10 demo, split BatchNorm and a shuffled key batch keep query i and key i from sharing batch
-statistics (so no GradCache chunks). GCBS orders images by f_k of two fixed views."""
+), τ = 0.2 (paper profile: 0.1). Views (crops, flips, MoCo v2's colour jitter and grayscale) are a
+random layer of each branch, seeded by the trainer like dropout. As in the MoCo CIFAR-10 demo, split
+BatchNorm and a shuffled key batch keep query i and key i from sharing batch statistics (so no
+GradCache chunks). GCBS orders images by f_k of two fixed views."""
 
 import copy
 import math
@@ -33,8 +33,10 @@ STATS = {1: ((0.5,), (0.5,)), 3: ((0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261
 
 
 def gray(x: torch.Tensor) -> torch.Tensor:
-    """The luma of RGB images `[n, 3, H, W]` as `[n, 1, H, W]` (torchvision's rgb_to_grayscale)."""
-    return (x * x.new_tensor([0.2989, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    """The luma of RGB images `[n, 3, H, W]` as `[n, 1, H, W]` (torchvision's rgb_to_grayscale); a
+    grey image is its own."""
+    luma = x.new_tensor([0.2989, 0.587, 0.114]) if x.shape[1] == 3 else x.new_ones(1)
+    return (x * luma.view(1, -1, 1, 1)).sum(1, keepdim=True)
 
 
 def hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -51,14 +53,15 @@ def hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 
 def colour(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """MoCo v2's colour draw on RGB images in [0, 1]: torchvision's ColorJitter (its four ops in a
-    random order per image), then RandomGrayscale. `params` `[n, 9]` holds each image's brightness,
-    contrast and saturation factors, its hue shift, its grayscale flag and the ops' sort keys."""
+    """MoCo v2's colour draw on images in [0, 1]: torchvision's ColorJitter (its four ops in a
+    random order per image; brightness and contrast alone act on grey images), then
+    RandomGrayscale. `params` `[n, 9]` holds each image's brightness, contrast and saturation
+    factors, its hue shift, its grayscale flag and the ops' sort keys."""
     ops = (
         lambda x, f: x * f,
         lambda x, f: f * x + (1 - f) * gray(x).mean((1, 2, 3), keepdim=True),
         lambda x, f: f * x + (1 - f) * gray(x),
-        hue,
+        hue if x.shape[1] == 3 else lambda x, f: x,  # grey: no hue
     )
     x = x.clone()
     order = params[:, 5:].argsort(1)
@@ -80,9 +83,9 @@ class RandomViews(nn.Module):
             self.register_buffer(name, torch.tensor(value).view(1, -1, 1, 1), persistent=False)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """n views `[n, 2, 3]` (float64): crops of area 0.2–1, aspect 3/4–4/3, at a random place,
-        flipped with p 1/2, as affine maps (`F.affine_grid`'s θ). RGB views `[n, 5, 3]` add, drawn
-        after, `colour`'s draw: jitter 0.4, 0.4, 0.4, 0.1 with p 0.8, grayscale with p 0.2."""
+        """n views `[n, 5, 3]` (float64): crops of area 0.2–1, aspect 3/4–4/3, at a random place,
+        flipped with p 1/2, as affine maps (`F.affine_grid`'s θ), then, drawn after, `colour`'s
+        draw: jitter 0.4, 0.4, 0.4, 0.1 with p 0.8, grayscale with p 0.2."""
         u = torch.rand(n, 5, generator=generator, dtype=torch.float64)
         area, ratio = 0.2 + 0.8 * u[:, 0], torch.exp(math.log(3 / 4) + math.log(16 / 9) * u[:, 1])
         w, h = (area * ratio).sqrt().clamp(max=1), (area / ratio).sqrt().clamp(max=1)
@@ -90,8 +93,6 @@ class RandomViews(nn.Module):
         theta[:, 0, 0] = torch.where(u[:, 4] < 0.5, -w, w)
         theta[:, 0, 2] = (1 - w) * (2 * u[:, 2] - 1)
         theta[:, 1, 1], theta[:, 1, 2] = h, (1 - h) * (2 * u[:, 3] - 1)
-        if self.mean.shape[1] == 1:  # one channel: no colour
-            return theta
         u = torch.rand(n, 10, generator=generator, dtype=torch.float64)
         jitter = torch.cat([0.6 + 0.8 * u[:, 1:4], 0.2 * u[:, 4:5] - 0.1], 1)
         jitter = torch.where(u[:, :1] < 0.8, jitter, torch.tensor([1.0, 1.0, 1.0, 0.0]))
@@ -105,8 +106,6 @@ class RandomViews(nn.Module):
             return x
         grid = F.affine_grid(views[:, :2].to(x), list(x.shape), align_corners=False)
         x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
-        if views.shape[1] == 2:
-            return x
         # on the crop in [0, 1], as torchvision's ColorJitter after RandomResizedCrop
         x = colour(x * self.std + self.mean, views[:, 2:].flatten(1).to(x))
         return (x - self.mean) / self.std
@@ -330,12 +329,18 @@ class MoCo(Experiment):
 
 
 class SimCLR(MoCo):
-    """Where GCBS's mechanism applies: MoCo's encoder, head, views, split BatchNorm and profiles,
-    trained as SimCLR trains, both views through f_q with gradients, each view's negatives the other
-    view of the batch's other images; no queue, no momentum encoder."""
+    """Where GCBS's mechanism applies: MoCo's encoder, head, views and profiles, trained as SimCLR
+    trains, both views through f_q with gradients, each view's negatives the other view of the
+    batch's other images; no queue, no momentum encoder; SimCLR's BatchNorm over each view's whole
+    batch (groups, bn_splits, would give an image's two views the same group's statistics)."""
 
     config = "moco"  # profiles: configs/moco.yaml
     family = "simclr"
+
+    def build_model(self) -> nn.Module:
+        require(rank_and_world_size()[1] == 1, "simclr runs in one process (BatchNorm is per rank)")
+        self.model = MoCoModel(self.train.shape[1], self.options, self.views)
+        return self.model
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.query]
