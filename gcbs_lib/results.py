@@ -43,6 +43,11 @@ def check_row(row: dict) -> dict:
     return row
 
 
+def result_row(**fields) -> dict:
+    """A checked row from keywords experiment, arm, seed, metric, value, profile, data, model."""
+    return check_row(fields)
+
+
 def write_rows(path: str | Path, rows: list[dict]) -> Path:
     return write_atomic(path, json.dumps([check_row(r) for r in rows], indent=1) + "\n")
 

@@ -500,7 +500,7 @@ class Trainer:
         fields = dict(experiment=config.experiment, arm=config.arm or config.sampler)
         fields.update(seed=config.seed, profile=config.profile, data=experiment.data_name)
         return [
-            results.check_row(dict(metric=f"{prefix}{m}{suffix}", value=v, model=model, **fields))
+            results.result_row(metric=f"{prefix}{m}{suffix}", value=v, model=model, **fields)
             for m, v in scores.items()
         ]
 

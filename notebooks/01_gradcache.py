@@ -61,7 +61,7 @@ from gcbs_lib.gradcache import (
 from gcbs_lib.losses import LogitScale, info_nce
 from gcbs_lib.measure import contrastive_step, memory_method, memory_rise, step_bytes
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
-from gcbs_lib.results import record
+from gcbs_lib.results import record, result_row
 
 torch.manual_seed(seed)
 n_docs = batch_size * (1 + hard_negatives)
@@ -519,7 +519,7 @@ print(
 
 # %%
 row = partial(
-    dict,
+    result_row,
     experiment="gradcache",
     seed=seed,
     profile=profile,

@@ -339,8 +339,7 @@ class SimCLR(MoCo):
 
     def build_model(self) -> nn.Module:
         require(rank_and_world_size()[1] == 1, "simclr runs in one process (BatchNorm is per rank)")
-        self.model = MoCoModel(self.train.shape[1], self.options, self.views)
-        return self.model
+        return MoCoModel(self.train.shape[1], self.options, self.views)  # its loss needs no queue
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.query]
