@@ -312,6 +312,18 @@ labels = ["queue (MoCo)", "batch (SimCLR-style)"]
 plot_comparison(batch_summaries, [line, batch_line], "in-batch negatives", labels)
 
 # %% [markdown]
+# **What the committed `cpu` run says** (six seeds; the README's table, from `results/08_gcbs_moco.cpu.json`).
+# With in-batch negatives the comparison measures: the random arm clears raw pixels and gains far more than
+# 3 seed sd over the untrained model, and GCBS is *worse*, its bootstrap interval below 0 on best-dev
+# checkpoints and on the last step alike. The diagnostics show GCBS doing what it promises, not what it is
+# for: from the second epoch on its batches have a loss gap far below random's, so each step's loss is closer
+# to the loss over the whole training set, yet the kNN vote on the encoder's features is worse. A likely reason
+# is in the other diagnostic: GCBS's batches hold more same-class pairs (about a quarter against a tenth), so
+# more of the negatives it pushes apart are images of the query's own class. With MoCo's queue the
+# random arm stays at raw-pixel kNN, so that comparison reads *not measurable here*: at this size the queue
+# model learns no more than pixels carry.
+
+# %% [markdown]
 # ## Checks
 
 # %%
