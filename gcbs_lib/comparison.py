@@ -71,22 +71,11 @@ def scores_text(rows: list[dict]) -> str:
     return ", ".join(f"{row['metric'][5:]} {row['value']:.4f}" for row in tested)
 
 
-def pilot_plan(
-    sd_paired_delta: float, seconds_per_seed: float, budget_minutes: float = 90
-) -> dict[int, float]:
-    """From a pilot's sd of the paired Δ and its time per seed (all arms): the 95 % half-width
-    t·sd/√n of Δ for n = 2 … 12 seeds, printed with the time of each; returns {n: half-width}."""
-    half = {n: half_width(sd_paired_delta, n) for n in range(2, 13)}
-    for n, h in half.items():
-        minutes = n * seconds_per_seed / 60
-        over = "" if minutes <= budget_minutes else " (over budget)"
-        print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{over}")
-    return half
-
-
 def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: float = 90) -> dict:
-    """`pilot_plan` from the committed `cpu` run of `notebook` (results/): the sd of its paired Δ
-    of GCBS on `metric`, and its seconds per seed (the notebook's whole time, from provenance)."""
+    """The next run's plan from the committed `cpu` run of `notebook` (results/), its sd of the
+    paired Δ of GCBS on `metric` and its seconds per seed (the notebook's whole time, from
+    provenance): the 95 % half-width t·sd/√n of Δ for n = 2 … 12 seeds, printed with the time of
+    each; returns {n: half-width}."""
     name = f"{notebook}.cpu.json"
     lines = build_table(read_rows(COMMITTED / name))
     paired = next(
@@ -98,7 +87,12 @@ def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: 
     seconds = made["seconds"] / seeds
     print(f"committed run at {made['commit']}: s_Δ = {sd:.4g} over {seeds} seeds,")
     print(f"{seconds:.0f} s a seed on {made['cores']} cores; the next run's seeds:")
-    return pilot_plan(sd, seconds, budget_minutes)
+    half = {n: half_width(sd, n) for n in range(2, 13)}
+    for n, h in half.items():
+        minutes = n * seconds / 60
+        over = "" if minutes <= budget_minutes else " (over budget)"
+        print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{over}")
+    return half
 
 
 def rows_of(summaries: dict) -> list[dict]:

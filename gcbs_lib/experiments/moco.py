@@ -41,7 +41,10 @@ def gray(x: torch.Tensor) -> torch.Tensor:
 
 def hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """RGB images `[n, 3, H, W]` with their hue turned by `shift` `[n, 1, 1, 1]` (a fraction of the
-    colour wheel), value and chroma kept: torchvision's adjust_hue, its HSV round trip closed."""
+    colour wheel), value and chroma kept: torchvision's adjust_hue, its HSV round trip closed; grey
+    images `[n, 1, H, W]` as they are."""
+    if x.shape[1] == 1:
+        return x
     top, channel = x.max(1, keepdim=True)
     chroma = top - x.min(1, keepdim=True).values
     r, g, b = x.split(1, dim=1)
@@ -61,7 +64,7 @@ def colour(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         lambda x, f: x * f,
         lambda x, f: f * x + (1 - f) * gray(x).mean((1, 2, 3), keepdim=True),
         lambda x, f: f * x + (1 - f) * gray(x),
-        hue if x.shape[1] == 3 else lambda x, f: x,  # grey: no hue
+        hue,
     )
     x = x.clone()
     order = params[:, 5:].argsort(1)
