@@ -124,8 +124,8 @@ def execute(notebook: Path, parameters: dict, out: Path, prepare_only: bool = Fa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gcbs_lib.reproduce",
-        description=__doc__.split("\n")[0],
-        epilog="\n".join(__doc__.split("\n")[2:]),
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
