@@ -5,6 +5,9 @@ import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
+
 from gcbs_lib.launcher import launch
 from gcbs_lib.results import (
     COMMITTED,
@@ -33,10 +36,9 @@ def run_arms(
     experiment, profile, arms, seeds, folder, overrides=None, *, nproc=1, backend="gloo"
 ) -> dict:
     """`{(arm, seed): summary}` of `train` for each of `arm_configs`: in this process, or on `nproc`
-    ranks of `backend` through torchrun (rank 0's summary comes back); `("start", seed)`: the
-    untrained model's test rows and outputs (what training is measured against); and the trivial
-    baseline's, where the experiment has one, as `("baseline-<name>", first seed)`. Prints one line
-    per run."""
+    ranks of `backend` by torchrun (rank 0's summary comes back); `("start", seed)`: the untrained
+    model's test rows and outputs (what training is measured against); the trivial baseline's, if
+    the experiment has one, as `("baseline-<name>", first seed)`. Prints a line per run."""
     summaries = {}
     for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
         output_dir = Path(folder) / f"{arm}-seed{seed}"
@@ -117,10 +119,9 @@ class MarkdownTable(str):
 
 
 def arms_table(summaries, stand_in="not the paper's data") -> dict:
-    """Show the table of the runs' test rows (start, random, each arm, Δ against random paired by
-    seed with its 95 % t- and bootstrap intervals, the paper's Δ, the gated verdict, the epoch-0
-    diagnostics) and the random arm's gain over the start; return its lines with a Δ, keyed
-    "arm/metric"."""
+    """Show the table of the runs' test rows (start, random, each arm, Δ vs random paired by seed
+    with its 95 % t- and bootstrap intervals, the paper's Δ, the gated verdict, the epoch-0
+    diagnostics) and random's gain over the start; return its lines with a Δ, keyed "arm/metric"."""
     from IPython.display import display
 
     rows = rows_of(summaries)
@@ -151,7 +152,6 @@ def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[s
     curves = {}
     for arm in arms:
         runs = [summary[records] for (a, _), summary in summaries.items() if a == arm]
-        # mean, sd over seeds
         points = [summarize([r[key] for r in same_point]) for same_point in zip(*runs)]
         curves[arm] = [p.mean for p in points]
         x = [r["step"] for r in runs[0]] if records == "dev" else range(len(runs[0]))
@@ -164,19 +164,29 @@ def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[s
     return curves
 
 
-def plot_deltas(ax, lines) -> None:
-    """Each line's Δ with its 95 % bootstrap interval (seeds × test items), beside the paper's Δ (×)
-    and 0."""
+def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=None) -> None:
+    """One comparison in three panels: each arm's dev `key` by step and the loss gap of its batches
+    by epoch (mean ± 1 sd over seeds; the gaps printed too), and the test Δ of `lines` with their
+    95 % bootstrap intervals (seeds × test items) beside the paper's Δ (×), labelled `labels`."""
+    _, (dev, gap, deltas) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
+    plot_over_seeds(dev, summaries, arms, "dev", key)
+    dev.set(ylabel=f"dev {key} (mean ± 1 sd)", title=title)
+    for arm, gaps in plot_over_seeds(gap, summaries, arms, "epochs", "loss_gap").items():
+        print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
+    gap.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
+    gap.xaxis.set_major_locator(MaxNLocator(integer=True))
     for y, line in enumerate(lines):
-        bootstrap = (line.boot_low, line.boot_high)
-        low, high = bootstrap if line.boot_low is not None else (line.delta,) * 2
+        low, high = [line.delta if end is None else end for end in (line.boot_low, line.boot_high)]
         xerr = [[line.delta - low], [high - line.delta]]
-        ax.errorbar(line.delta, y, xerr=xerr, fmt="o", color="k", capsize=4)
+        deltas.errorbar(line.delta, y, xerr=xerr, fmt="ok", capsize=4)
         if line.paper and line.paper.deltas:
-            ax.plot(line.paper.deltas, [y] * len(line.paper.deltas), "x", color="C3", ms=9)
-    ax.axvline(0, color="grey", lw=0.8)
-    ax.set_yticks(range(len(lines)), [f"{line.arm}/{line.metric}" for line in lines])
-    ax.set(xlabel="Δ vs random, 95 % bootstrap CI (× the paper's Δ)", ylim=(-0.7, len(lines) - 0.3))
+            deltas.plot(line.paper.deltas, [y] * len(line.paper.deltas), "x", color="C3", ms=9)
+    deltas.axvline(0, color="grey", lw=0.8)
+    deltas.set_yticks(range(len(lines)), labels or [f"{line.arm}/{line.metric}" for line in lines])
+    deltas.set(xlabel="95 % bootstrap CI (× the paper's Δ)", ylim=(-0.7, len(lines) - 0.3))
+    deltas.set_title(f"{lines[0].metric}: Δ vs random")
+    plt.tight_layout()
+    plt.show()
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:

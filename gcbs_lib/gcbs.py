@@ -31,8 +31,7 @@ NO_BOUND = -2.0  # below every cosine similarity
 
 
 def unit_rows(z1, z2, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked embeddings [N, d] (same shape and device, not empty, finite) with unit rows, in
-    `dtype`."""
+    """z1, z2 [N, d] checked (same shape and device, not empty, finite), as unit rows in `dtype`."""
     for name, z in (("z1", z1), ("z2", z2)):
         require(
             isinstance(z, torch.Tensor) and z.dim() == 2,
@@ -75,8 +74,7 @@ def _blocks(u1: torch.Tensor, u2: torch.Tensor, keep_diagonal: bool = False, mul
 
 
 def _at_least(block: torch.Tensor, bound: float) -> tuple[np.ndarray, np.ndarray]:
-    """Flat indices (row-major) and values, as numpy arrays, of the block's entries ≥ bound (a
-    float32 number)."""
+    """Flat row-major indices and values (numpy arrays) of the block's entries ≥ bound (float32)."""
     if block.is_cuda:
         flat = (block.view(-1) >= bound).nonzero().squeeze(1)
         return flat.cpu().numpy(), block.view(-1)[flat].cpu().numpy()
@@ -87,8 +85,7 @@ def _at_least(block: torch.Tensor, bound: float) -> tuple[np.ndarray, np.ndarray
 
 def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
     """A lower bound, most likely, on the keep-th largest off-diagonal S_ij: in SAMPLE_ROWS random
-    rows, the value that twice the expected number of sampled entries reaches (all of S when N ≤
-    SAMPLE_ROWS)."""
+    rows (or all N), the value that twice the expected number of sampled entries reaches."""
     n, r = len(u1), min(len(u1), SAMPLE_ROWS)
     rows = torch.from_numpy(np.random.default_rng(0).choice(n, r, replace=False)).to(u1.device)
     sample = u1[rows] @ u2.T
@@ -102,9 +99,8 @@ def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
 def _candidates(
     u1: torch.Tensor, u2: torch.Tensor, bound: float, keep: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One pass over S: flat indices i·N + j and values of the off-diagonal entries ≥ bound.
-    Whenever more than 2·keep are held, the bound rises to the keep-th largest held value (so memory
-    stays O(keep))."""
+    """One pass over S: flat indices i·N + j and values of the off-diagonal entries ≥ bound. Past
+    2·keep held entries, the bound rises to the keep-th largest of them: memory stays O(keep)."""
     n, flats, values, held = len(u1), [], [], 0
     for start, block in _blocks(u1, u2):
         flat, value = _at_least(block, bound)

@@ -69,9 +69,8 @@ def record(rows: list[dict], name: str, outputs: list[dict] = ()) -> Path | None
     path = Path(folder) / f"{name}.json"
     write_outputs(path, merged(read_outputs(path), outputs, "experiment arm seed checkpoint"))
     old = read_rows(path) if path.exists() else []
-    return write_rows(
-        path, merged(old, [check_row(row) for row in rows], "experiment arm seed metric")
-    )
+    new = [check_row(row) for row in rows]
+    return write_rows(path, merged(old, new, "experiment arm seed metric"))
 
 
 def merged(old: list[dict], new: list[dict], key: str) -> list[dict]:
@@ -197,10 +196,9 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
     diagnostics feed the lines of their test metric. With the runs' per-item `outputs` (records of
     `record`), a test metric's line gets its bootstrap interval, the gate and a verdict."""
     groups = {}
+    group_of = itemgetter("experiment", "model", "data", "profile", "metric")
     for row in map(check_row, rows):
-        arms = groups.setdefault(
-            (row["experiment"], row["model"], row["data"], row["profile"], row["metric"]), {}
-        )
+        arms = groups.setdefault(group_of(row), {})
         seeds = arms.setdefault(row["arm"], {})
         require(row["seed"] not in seeds, f"two rows for the same seed: {row}")
         seeds[row["seed"]] = row["value"]
@@ -215,9 +213,8 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
         if metric.startswith("last_") or "@epoch" in metric:
             continue
         random, start = arms.get("random", {}), arms.get("start", {})
-        trivial = [
-            statistics.fmean(v.values()) for a, v in arms.items() if a.startswith("baseline")
-        ]
+        baselines = [v for a, v in arms.items() if a.startswith("baseline")]
+        baseline = statistics.fmean(baselines[0].values()) if baselines else None
         shown = [a for a in arms if a not in ("start", "random") and not a.startswith("baseline")]
         for arm in shown or [None]:
             values = arms.get(arm, {})
@@ -228,7 +225,6 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
             delta = statistics.fmean(differences) if differences else None
             judged = (None, None, [], "")
             if differences and metric.startswith("test_"):
-                baseline = trivial[0] if trivial else None
                 judged = judge(runs, boot, experiment, metric, arm, summaries, baseline, paper)
             measured = (delta, *interval(differences), *judged)
             gaps = [first_epoch(groups, names[:1] + names[3:], name, arm) for name in DIAGNOSTICS]
@@ -253,27 +249,24 @@ def judge(runs: dict, boot, experiment, metric, arm, summaries, baseline, paper)
     if (experiment, arm, "best") not in runs:
         return None, None, [], "no per-item test outputs: no verdict"
     name = metric.removeprefix("test_")
-    intervals = {}
-    for checkpoint in ("best", "last"):
-        if (experiment, arm, checkpoint) in runs:
-            intervals[checkpoint] = boot(experiment, arm, checkpoint)[name]
+    best = boot(experiment, arm, "best")[name]
+    last = boot(experiment, arm, "last")[name] if (experiment, arm, "last") in runs else None
     random = runs[experiment, "random", "best"]
     band = verdict.chance_band(experiment, random[min(random)])[name]
     scratch = experiments.get(experiment).from_scratch
     reasons = verdict.gate(metric, summaries[0], summaries[1], band, baseline, scratch)
-    said = verdict.verdict(arm, metric, intervals["best"], intervals.get("last"), reasons)
+    said = verdict.verdict(arm, metric, best, last, reasons)
     if not reasons:
-        said += where_paper(paper, *intervals["best"])
-    return (*intervals["best"], reasons, said)
+        said += where_paper(paper, *best)
+    return (*best, reasons, said)
 
 
 def number(x: float, scale: float | None = None, *, digits: int = 4, signed: bool = False) -> str:
     """`x` rounded to the decimals that show `scale` (default or 0: `x`) to 4 significant digits, in
     `digits` significant digits: round-off far below `scale` prints as 0, never −0; NaN, inf too."""
     magnitude = abs(scale if scale and math.isfinite(scale) else x)
-    decimals = (
-        3 - math.floor(math.log10(magnitude)) if magnitude and math.isfinite(magnitude) else 0
-    )
+    has_digits = magnitude and math.isfinite(magnitude)
+    decimals = 3 - math.floor(math.log10(magnitude)) if has_digits else 0
     # + 0.0 turns −0.0 into 0.0
     return f"{round(x, decimals) + 0.0:{'+' if signed else ''}.{digits}g}"
 
@@ -391,13 +384,9 @@ def verify(folder: str | Path = COMMITTED, readme=REPOSITORY / "README.md") -> s
         rows = {itemgetter("experiment", "arm", "seed", "metric")(r): r for r in read_rows(f)}
         for run in read_outputs(f):
             scores = experiments.get(run["experiment"]).scores(run["outputs"])
+            prefix = CHECKPOINTS[run["checkpoint"]]
             for metric, value in scores.items():
-                key = (
-                    run["experiment"],
-                    run["arm"],
-                    run["seed"],
-                    CHECKPOINTS[run["checkpoint"]] + metric,
-                )
+                key = (run["experiment"], run["arm"], run["seed"], prefix + metric)
                 if key not in rows or not math.isclose(rows[key]["value"], value, rel_tol=1e-12):
                     found = rows[key]["value"] if key in rows else "no row"
                     return f"{f.name}: {key} is {found}, its per-item outputs give {value}"

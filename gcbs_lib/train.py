@@ -225,11 +225,6 @@ class RunFolder:
             state["code"] = self.code
             write_atomic(self.dir / "checkpoint.pt", partial(torch.save, state))
 
-    def save_best(self, model: torch.nn.Module, best: dict) -> None:
-        if self.main:
-            state = {"model": model.state_dict(), **best}
-            write_atomic(self.dir / "best.pt", partial(torch.save, state))
-
     def log(self, record: dict) -> None:
         if self.main:
             with open(self.dir / "metrics.jsonl", "a") as handle:
@@ -359,7 +354,8 @@ class Trainer:
         value = scores[self.experiment.dev_metric]
         if self.best["value"] is None or value > self.best["value"]:
             self.best = {"value": value, "step": self.step}
-            self.run.save_best(self.model, self.best)
+            state = {"model": self.model.state_dict(), **self.best}
+            write_atomic(self.run.dir / "best.pt", partial(torch.save, state))
         where = dict(kind="eval", split="dev", step=self.step, epoch=self.epoch)
         self.run.log({**where, **scores})
 
@@ -377,8 +373,7 @@ class Trainer:
             share = items.tensor_split(self.world_size)[self.rank]
             embed = partial(self._in_eval_mode, self.experiment.pair_embeddings)
             pairs = [embed(part) for part in share.split(config.embed_batch_size)]
-            z1 = distributed.gather_ragged(torch.cat([pair[0].float() for pair in pairs]), True)
-            z2 = distributed.gather_ragged(torch.cat([pair[1].float() for pair in pairs]), True)
+            z1, z2 = (distributed.gather_ragged(torch.cat(z).float(), True) for z in zip(*pairs))
         embedded = time.perf_counter()
         plan = [None]
         if self.main:
@@ -488,8 +483,7 @@ class Trainer:
         return result
 
     def score(self, prefix: str = "test_") -> tuple[list[dict], experiments.Outputs]:
-        """The model's per-item test outputs, and their scores as result rows named
-        `<prefix><metric>`."""
+        """The model's per-item test outputs, and their scores as result rows `<prefix><metric>`."""
         outputs = self._in_eval_mode(self.experiment.evaluate, "test")
         return self.result_rows(self.experiment.scores(outputs), prefix), outputs
 

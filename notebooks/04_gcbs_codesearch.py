@@ -62,7 +62,6 @@ import inspect
 from dataclasses import replace
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
@@ -73,8 +72,7 @@ from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
     outputs_of,
-    plot_deltas,
-    plot_over_seeds,
+    plot_comparison,
     rows_of,
     run_arms,
 )
@@ -317,16 +315,8 @@ delta = arms_table(
 # them into a few batches, which can *raise* the gap of the others.
 
 # %% tags=["figure:dev-mrr-and-loss-gap"]
-fig, (left, right, deltas) = plt.subplots(1, 3, figsize=(15, 3.8), width_ratios=(3, 3, 2))
-plot_over_seeds(left, summaries, arms, "dev", "mrr")
-gaps = plot_over_seeds(right, summaries, arms, "epochs", "loss_gap")
-left.set(ylabel="dev MRR (mean over seeds)", title=f"code search dev MRR ({profile} profile)")
-right.set(ylabel="L_Global − L_Train", title="loss gap of the batches trained on, per epoch")
-right.set_xticks(range(len(gaps[arms[0]])))
-plot_deltas(deltas, [delta[f"{arm}/test_mrr"] for arm in arms if arm != "random"])
-deltas.set_title("test MRR: Δ vs random")
-plt.tight_layout()
-plt.show()
+lines = [delta[f"{arm}/test_mrr"] for arm in arms if arm != "random"]
+plot_comparison(summaries, arms, "mrr", lines, f"code search dev MRR ({profile} profile)")
 
 # %% [markdown]
 # ## 7 · Against the paper

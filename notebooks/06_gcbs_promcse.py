@@ -48,7 +48,6 @@ output_dir = (
 import inspect
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import torch
 
 from gcbs_lib.check import cmp_table, compare
@@ -57,8 +56,7 @@ from gcbs_lib.comparison import (
     committed_plan,
     first_gap_no_larger,
     outputs_of,
-    plot_deltas,
-    plot_over_seeds,
+    plot_comparison,
     rows_of,
     run_arms,
 )
@@ -203,16 +201,7 @@ print(f"verdict on test Spearman: {line.verdict}")
 # interval, beside the paper's Δ (×).
 
 # %% tags=["figure:dev-spearman-and-loss-gap"]
-fig, (left, right, delta) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
-plot_over_seeds(left, summaries, arms, "dev", "spearman")
-for arm, gaps in plot_over_seeds(right, summaries, arms, "epochs", "loss_gap").items():
-    print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
-left.set(ylabel="dev Spearman ρ", title=f"PromCSE dev Spearman ({profile} profile)")
-right.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
-plot_deltas(delta, [line])
-delta.set_title("test Spearman: GCBS − random")
-plt.tight_layout()
-plt.show()
+plot_comparison(summaries, arms, "spearman", [line], f"PromCSE dev Spearman ({profile} profile)")
 
 # %% [markdown]
 # ## Checks

@@ -59,8 +59,7 @@ from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
     outputs_of,
-    plot_deltas,
-    plot_over_seeds,
+    plot_comparison,
     rows_of,
     run_arms,
 )
@@ -259,24 +258,8 @@ print(f"verdict: {line.verdict}")
 
 
 # %% tags=["figure:knn-accuracy-and-loss-gap"]
-def plot_comparison(summaries, lines, title, labels=None):
-    """Dev kNN accuracy and each epoch's loss gap of both arms (mean ± 1 sd over seeds), and the
-    test Δ of `lines` with their bootstrap intervals (labelled `labels`)."""
-    fig, (left, right, delta) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
-    plot_over_seeds(left, summaries, arms, "dev", "knn_accuracy")
-    for arm, gaps in plot_over_seeds(right, summaries, arms, "epochs", "loss_gap").items():
-        print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
-    left.set(ylabel="dev kNN accuracy", title=f"{title} ({profile} profile, {data})")
-    right.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
-    plot_deltas(delta, lines)
-    if labels:
-        delta.set_yticks(range(len(lines)), labels)
-    delta.set_title("test kNN accuracy: GCBS − random")
-    plt.tight_layout()
-    plt.show()
-
-
-plot_comparison(summaries, [line], "MoCo kNN accuracy")
+title = f"MoCo kNN accuracy ({profile} profile, {data})"
+plot_comparison(summaries, arms, "knn_accuracy", [line], title)
 print(f"log(N/B) = {torch.log(torch.tensor(train_size / config.batch_size)).item():.4f}")
 
 # %% [markdown]
@@ -309,7 +292,8 @@ print(f"in-batch negatives, verdict: {batch_line.verdict}")
 
 # %% tags=["figure:in-batch-knn-accuracy-and-loss-gap"]
 labels = ["queue (MoCo)", "batch (SimCLR-style)"]
-plot_comparison(batch_summaries, [line, batch_line], "in-batch negatives", labels)
+title = f"in-batch negatives ({profile} profile, {data})"
+plot_comparison(batch_summaries, arms, "knn_accuracy", [line, batch_line], title, labels)
 
 # %% [markdown]
 # **What the committed `cpu` run says** (six seeds; the README's table, from `results/08_gcbs_moco.cpu.json`).

@@ -9,7 +9,7 @@ from gcbs_lib.comparison import (
     arm_configs,
     arms_table,
     first_gap_no_larger,
-    plot_deltas,
+    plot_comparison,
     plot_over_seeds,
     rows_of,
     run_arms,
@@ -35,7 +35,7 @@ def summary(arm, seed, test, gaps, dev):
         "rows": rows,
         "outputs": {},  # no per-item outputs: no verdict (tests/test_verdict.py)
         "epochs": [{"loss_gap": g} for g in gaps],
-        "dev": [{"spearman": d} for d in dev],
+        "dev": [{"spearman": d, "step": 4 * (i + 1)} for i, d in enumerate(dev)],
     }
 
 
@@ -149,33 +149,34 @@ def test_plot_over_seeds_draws_the_seed_means_per_arm():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    expected = {"loss_gap": ([1.1, 1.0], [1.0, 0.85]), "spearman": ([0.2, 0.4], [0.2, 0.5])}
     for records, key in (("epochs", "loss_gap"), ("dev", "spearman")):
         fig, ax = plt.subplots()
-        dev = {
-            k: {
-                **v,
-                "dev": [
-                    {"spearman": d["spearman"], "step": 4 * (i + 1)} for i, d in enumerate(v["dev"])
-                ],
-            }
-            for k, v in SUMMARIES.items()
-        }
-        curves = plot_over_seeds(ax, dev, ["random", "gcbs"], records, key)
-        expected = {
-            ("epochs", "loss_gap"): ([1.1, 1.0], [1.0, 0.85]),
-            ("dev", "spearman"): ([0.2, 0.4], [0.2, 0.5]),
-        }
-        assert curves == dict(zip(["random", "gcbs"], map(pytest.approx, expected[records, key])))
+        curves = plot_over_seeds(ax, SUMMARIES, ["random", "gcbs"], records, key)
+        assert curves == dict(zip(["random", "gcbs"], map(pytest.approx, expected[key])))
         assert [list(line.get_xdata()) for line in ax.get_lines()] == [
             [0, 1] if records == "epochs" else [4, 8]
         ] * 2
         assert ax.get_xlabel() == ("epoch" if records == "epochs" else "step")
         plt.close(fig)
-    fig, ax = plt.subplots()
-    plot_deltas(ax, list(arms_table(SUMMARIES).values()))
-    point, paper = ax.lines[0].get_xydata().tolist(), list(ax.lines[-2].get_xdata())  # the last: 0
-    assert point == [[pytest.approx(0.04), 0]] and paper == [0.0103]
-    plt.close(fig)
+
+
+def test_plot_comparison_draws_dev_curves_loss_gaps_and_each_delta_beside_the_papers(capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = list(arms_table(SUMMARIES).values())
+    plot_comparison(SUMMARIES, ["random", "gcbs"], "spearman", lines, "SimCSE", ["GCBS"])
+    dev, gap, deltas = plt.gcf().axes
+    assert dev.get_title() == "SimCSE" and len(dev.get_lines()) == 2
+    assert all(tick == int(tick) for tick in gap.get_xticks())  # whole epochs
+    assert "   gcbs loss gap per epoch: 1.0000  0.8500" in capsys.readouterr().out
+    point, paper = deltas.lines[0].get_xydata().tolist(), list(deltas.lines[-2].get_xdata())
+    assert point == [[pytest.approx(0.04), 0]] and paper == [0.0103]  # the last line: 0
+    assert [label.get_text() for label in deltas.get_yticklabels()] == ["GCBS"]
+    plt.close("all")
 
 
 def test_first_gap_no_larger_holds_only_when_it_holds_on_every_seed():

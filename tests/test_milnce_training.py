@@ -1,6 +1,8 @@
 """Specification of the `milnce` experiment: DDP gives the full-batch gradient, on the device of the
 process group's backend; bags help on misaligned data."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -10,20 +12,9 @@ from gcbs_lib.launcher import launch
 from gcbs_lib.seeding import generator
 from gcbs_lib.train import load_config, train
 
-TINY = {
-    "planted_videos": 5,
-    "planted_sigma": 3.0,
-    "bag_size": 3,
-    "embed_dim": 8,
-    "word_dim": 8,
-    "hidden_dim": 8,
-    "vocab_size": 64,
-    "eval_fraction": 0.2,
-}
-
 
 def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
-    options = {**TINY, "data_dir": str(tmp_path)}
+    options = asdict(load_config("milnce", "gradient-check", {"data_dir": str(tmp_path)}).options)
     single = gradient_check(options, batch_size=16, device="cpu")
     experiment = MilNce(MilNce.Options(**options), seed=0, device="cpu")
     experiment.load_data()

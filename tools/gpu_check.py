@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -43,17 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from bench_gcbs import embedded_pairs, floor_pass  # noqa: E402  (bench/ is not a package: GCBS's data and floor)
 
 ROOT = Path(__file__).resolve().parents[1]
-# planted MIL-NCE data and heads small enough for seconds (float64)
-MILNCE_TINY = {
-    "planted_videos": 5,
-    "planted_sigma": 3.0,
-    "bag_size": 3,
-    "embed_dim": 8,
-    "word_dim": 8,
-    "hidden_dim": 8,
-    "vocab_size": 64,
-    "eval_fraction": 0.2,
-}
 CHECKS = ("dropout", "bf16", "gcbs", "precision", "resume", "minilm", "nccl", "ddp")
 
 
@@ -374,7 +364,8 @@ def check_ddp(args) -> list:
     backend = "nccl" if args.device == "cuda" else "gloo"
     ranks = 2 if args.device == "cpu" or torch.cuda.device_count() > 1 else 1
     with tempfile.TemporaryDirectory() as folder:
-        options = {**MILNCE_TINY, "data_dir": folder}
+        tiny = load_config("milnce", "gradient-check", {"data_dir": folder})
+        options = asdict(tiny.options)
         single = gradient_check(options, batch_size=16, device=args.device)
         check = {"options": options, "batch_size": 16, "chunk_size": 3}
         ranked = launch(gradient_check, nproc=ranks, backend=backend, args=check, echo=False)

