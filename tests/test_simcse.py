@@ -1,6 +1,7 @@
 """Specification of the SimCSE experiment, trained through `gcbs_lib.train` on small planted files
 in the real formats (wiki1m, SentEval)."""
 
+import json
 import random
 
 import pytest
@@ -142,6 +143,15 @@ def test_simcse_trains_through_the_training_loop_and_writes_result_rows(
     }
     assert all(r["data"] == "paper" and r["experiment"] == "simcse" for r in summary["rows"])
     assert "loss_gap" in summary["epochs"][0]
+
+
+def test_a_built_encoder_is_named_with_its_weights_hash_as_its_manifest_records_it(paper_root):
+    exp, _ = built("simcse", paper_root)
+    manifest = json.loads((paper_root / "models" / "tiny-bert" / "manifest.json").read_text())
+    assert len(manifest["weights_sha256"]) == 64
+    assert exp.model_name == f"tiny-bert@{manifest['weights_sha256'][:7]}"
+    pretrained, _ = built("simcse", paper_root, encoder="minilm")  # not built here: its own name
+    assert pretrained.model_name == "all-MiniLM-L6-v2"
 
 
 def test_missing_paper_files_say_where_to_get_them(tmp_path):

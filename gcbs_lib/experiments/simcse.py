@@ -14,14 +14,19 @@ import torch.nn.functional as F
 from sklearn.feature_extraction.text import TfidfVectorizer
 from torch import nn
 
-from gcbs_lib.data import data_root, ensure_built, sts
+from gcbs_lib.data import data_root, ensure_built, read_json, sts
 from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_batches, to_device
 from gcbs_lib.metrics import spearman
 from gcbs_lib.models import MODEL_NAMES, text_encoder
 from gcbs_lib.seeding import fixed_subset
 
-# tiny-bert: a random BERT, for CI; mlm-bert: a small BERT pretrained as a masked LM on the stand-in
-BUILT_MODELS = {"tiny-bert": "build_tiny_bert.py", "mlm-bert": "build_mlm_bert.py"}
+# encoders built here (data_scripts/, arguments): tiny-bert, a random BERT for CI; mlm-bert, a small
+# BERT pretrained as a masked LM on the stand-in; mlm-bert-minilm-emb, the same over MiniLM's words
+BUILT_MODELS = {
+    "tiny-bert": ["build_tiny_bert.py"],
+    "mlm-bert": ["build_mlm_bert.py"],
+    "mlm-bert-minilm-emb": ["build_mlm_bert.py", "--embeddings", "minilm"],
+}
 
 
 class SimCSE(Experiment):
@@ -33,7 +38,7 @@ class SimCSE(Experiment):
         data_root: str | None = None  # default: gcbs_lib.data.data_root()
         train_limit: int | None = None  # train on a fixed random subset of this many sentences
         eval_limit: int | None = None  # score at most this many pairs a task (fixed subset)
-        encoder: str = "tiny-bert"  # tiny-bert | mlm-bert | minilm | a Hugging Face name or path
+        encoder: str = "tiny-bert"  # a key of BUILT_MODELS | minilm | a Hugging Face name or path
         pooling: str = "cls_mlp_train"  # SimCSE's cls + MLP at training time only
         dropout: float | None = None  # None: the encoder's own (0.1 for BERT)
         max_length: int = 32  # training sentences
@@ -42,7 +47,6 @@ class SimCSE(Experiment):
 
     dev_metric = "spearman"
     data_name = property(lambda self: "paper" if self.options.data == "paper" else sts.STANDIN_NAME)
-    model_name = property(lambda self: MODEL_NAMES.get(self.options.encoder, self.options.encoder))
     root = property(lambda self: data_root(self.options.data_root))
 
     def load_data(self) -> TrainSet:
@@ -61,10 +65,14 @@ class SimCSE(Experiment):
 
     def build_model(self) -> nn.Module:
         o = self.options
-        name = o.encoder
+        name, self.model_name = o.encoder, MODEL_NAMES.get(o.encoder, o.encoder)
         if o.encoder in BUILT_MODELS:
-            built = self.root / "models" / o.encoder
-            name = str(ensure_built(built, BUILT_MODELS[o.encoder], "--root", self.root))
+            script, *args = BUILT_MODELS[o.encoder]
+            built = ensure_built(self.root / "models" / name, script, *args, "--root", self.root)
+            name = str(built)
+            # the rows name the weights: a build that came out otherwise shows there
+            weights = read_json(built / "manifest.json").get("weights_sha256", "unknown")
+            self.model_name += f"@{weights[:7]}"
         length = max(o.max_length, o.eval_max_length)
         self.encoder = text_encoder(name, pooling=o.pooling, max_length=length, dropout=o.dropout)
         return self.encoder
