@@ -65,7 +65,8 @@ class SimCSE(Experiment):
 
     def build_model(self) -> nn.Module:
         o = self.options
-        name, self.model_name = o.encoder, MODEL_NAMES.get(o.encoder, o.encoder)
+        name = o.encoder
+        self.model_name = MODEL_NAMES.get(o.encoder, o.encoder)
         if o.encoder in BUILT_MODELS:
             script, *args = BUILT_MODELS[o.encoder]
             built = ensure_built(self.root / "models" / name, script, *args, "--root", self.root)
