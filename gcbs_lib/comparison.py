@@ -171,8 +171,9 @@ def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=N
     _, (dev, gap, deltas) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
     plot_over_seeds(dev, summaries, arms, "dev", key)
     dev.set(ylabel=f"dev {key} (mean ± 1 sd)", title=title)
+    width = max(map(len, arms))
     for arm, gaps in plot_over_seeds(gap, summaries, arms, "epochs", "loss_gap").items():
-        print(f"{arm:>7} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
+        print(f"{arm:>{width}} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
     gap.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
     gap.xaxis.set_major_locator(MaxNLocator(integer=True))
     for y, line in enumerate(lines):

@@ -172,7 +172,8 @@ def test_plot_comparison_draws_dev_curves_loss_gaps_and_each_delta_beside_the_pa
     dev, gap, deltas = plt.gcf().axes
     assert dev.get_title() == "SimCSE" and len(dev.get_lines()) == 2
     assert all(tick == int(tick) for tick in gap.get_xticks())  # whole epochs
-    assert "   gcbs loss gap per epoch: 1.0000  0.8500" in capsys.readouterr().out
+    aligned = "random loss gap per epoch: 1.1000  1.0000\n  gcbs loss gap per epoch: 1.0000  0.8500"
+    assert aligned in capsys.readouterr().out
     point, paper = deltas.lines[0].get_xydata().tolist(), list(deltas.lines[-2].get_xdata())
     assert point == [[pytest.approx(0.04), 0]] and paper == [0.0103]  # the last line: 0
     assert [label.get_text() for label in deltas.get_yticklabels()] == ["GCBS"]

@@ -30,7 +30,8 @@ def test_the_profiles_carry_promcses_recipe():
     assert (
         promcse.options.pooling == load_config("simcse", "paper").options.pooling == "cls_mlp_train"
     )
-    # a measurement's size: every stand-in sentence once, from the masked LM
+    # a measurement's size: every stand-in sentence once, from SimCSE's masked-LM start
     cpu = load_config("promcse", "cpu")
-    assert (cpu.epochs, cpu.options.train_limit, cpu.options.encoder) == (1, None, "mlm-bert")
+    simcse_start = load_config("simcse", "cpu").options.encoder
+    assert (cpu.epochs, cpu.options.train_limit, cpu.options.encoder) == (1, None, simcse_start)
     assert load_config("promcse", "ci").chunk_size == 16  # the smoke test goes through GradCache
