@@ -215,10 +215,8 @@ print(
 # the shares is the global loss:
 
 # %%
-all_queries, all_docs = (
-    ranks.all_gather([q for q, _ in local]),
-    ranks.all_gather([d for _, d in local]),
-)
+all_queries = ranks.all_gather([q for q, _ in local])
+all_docs = ranks.all_gather([d for _, d in local])
 shares = [
     rank_info_nce(all_queries[r], all_docs[r], scale, symmetric=True, rank=r, world_size=W)
     for r in range(W)
@@ -229,10 +227,8 @@ to_queries, to_docs, to_scale = zip(
         for r, share in enumerate(shares)
     )
 )
-mean_share, full_loss = (
-    torch.stack(shares).mean(),
-    torch.tensor(reference["loss"], dtype=torch.float64),
-)
+mean_share = torch.stack(shares).mean()
+full_loss = torch.tensor(reference["loss"], dtype=torch.float64)
 print(cmp_table([compare("mean of the shares L_r vs L", mean_share, full_loss)]))
 
 # %% [markdown]

@@ -31,9 +31,10 @@
 # STS**: Wikipedia sentences from the `gensim` wheel's test data to train; Spearman against human scores of the
 # Lee corpus document pairs (split by document into dev and test), WordSim353 and SimLex-999 to evaluate. `ci`
 # (the defaults) trains a tiny random BERT for seconds: a smoke test, and these numbers mean nothing about GCBS.
-# `cpu` (94 min on 2 cores, measured) is sized to reach a verdict: SimCSE from a small BERT pretrained here as a masked LM on
-# the stand-in's training sentences over all-MiniLM-L6-v2's frozen word vectors (`mlm-bert-minilm-emb`: SimCSE
-# starts from BERT, a masked LM), one epoch over all 17,009 of them, four paired seeds (section 3: the seed count).
+# `cpu` (94 min on 2 cores, measured) was sized to reach a verdict (section 5 says why it does not): SimCSE
+# from a small BERT pretrained here as a masked LM on the stand-in's training sentences over all-MiniLM-L6-v2's
+# frozen word vectors (`mlm-bert-minilm-emb`: SimCSE starts from BERT, a masked LM), one epoch over all 17,009
+# of them, four paired seeds (section 3: the seed count).
 #
 # **The start model.** A start must score above chance and leave the objective something to learn. Measured
 # starts (issue 29): `mlm-bert`, the same masked LM over word vectors it learns itself, scores at chance (mean
