@@ -201,9 +201,9 @@ print(f"verdict on test Spearman: {line.verdict}")
 # measurable here*. GCBS's prompt tests 0.426 (0.428 last), a Δ of −0.012 with bootstrap interval −0.023 to
 # −0.001: below 0, but with no gain to compare against it says only that GCBS's batches cost this start more.
 # The diagnostic shows GCBS doing what it promises: its first batches' loss gap is the smaller (3.83 against
-# 4.11 nats). As in notebook 05, the dev Lee pairs do not foretell the test sets: random's rise from 0.171 to
-# 0.192 while SimLex-999 falls from 0.352 to 0.300. So PromCSE on this start, like SimCSE, cannot measure GCBS
-# on laptop data.
+# 4.11 nats). As in notebook 05, the dev Lee pairs do not foretell the test sets: random's dev score rises from
+# 0.171 to 0.192 while its SimLex-999 score falls from 0.352 to 0.300. So PromCSE on this start, like SimCSE,
+# cannot measure GCBS on laptop data.
 
 # %% [markdown]
 # ## 6 · Dev Spearman and the loss gap per epoch
