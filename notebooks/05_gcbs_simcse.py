@@ -31,10 +31,10 @@
 # STS**: Wikipedia sentences from the `gensim` wheel's test data to train; Spearman against human scores of the
 # Lee corpus document pairs (split by document into dev and test), WordSim353 and SimLex-999 to evaluate. `ci`
 # (the defaults) trains a tiny random BERT for seconds: a smoke test, and these numbers mean nothing about GCBS.
-# `cpu` (94 min on 2 cores, measured) was sized to reach a verdict (section 5 says why it does not): SimCSE
-# from a small BERT pretrained here as a masked LM on the stand-in's training sentences over all-MiniLM-L6-v2's
-# frozen word vectors (`mlm-bert-minilm-emb`: SimCSE starts from BERT, a masked LM), one epoch over all 17,009
-# of them, four paired seeds (section 3: the seed count).
+# `cpu` was sized to reach a verdict (section 5 says why it does not): SimCSE from a small BERT pretrained here
+# as a masked LM on the stand-in's training sentences over all-MiniLM-L6-v2's frozen word vectors
+# (`mlm-bert-minilm-emb`: SimCSE starts from BERT, a masked LM), one epoch over all 17,009 of them, four paired
+# seeds (section 3: the seed count and the measured time).
 #
 # **The start model.** A start must score above chance and leave the objective something to learn. Measured
 # starts (issue 29): `mlm-bert`, the same masked LM over word vectors it learns itself, scores at chance (mean
@@ -211,8 +211,8 @@ print(f"verdict on test Spearman: {line.verdict}")
 # GCBS's Δ of +0.008 (bootstrap interval −0.015 to +0.029) says nothing about GCBS. As in the pilot, the dev
 # Lee pairs rise while the three test sets fall. The diagnostic shows GCBS doing what it promises: its first
 # batches' loss gap is the smaller (2.93 against 3.17 nats). Its last-step model falls furthest (0.335; Lee
-# 0.20 against random's 0.32). So no start found on laptop data lets this comparison measure GCBS (issue 29:
-# `mlm-bert` at chance, all-MiniLM-L6-v2 without a gradient, this start falling under its objective).
+# 0.20 against random's 0.32). So none of the starts measured (the intro's "The start model") lets this
+# comparison measure GCBS on laptop data.
 
 # %% [markdown]
 # ## 6 · Dev Spearman, the loss gap, and Δ

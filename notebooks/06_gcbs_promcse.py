@@ -27,11 +27,12 @@
 #
 # **Data**, as in notebook 05: `paper` is BERT-base on wiki1m with SentEval; `ci` and `cpu` use the offline
 # gensim-wheel stand-in, **NOT STS**. `ci` (the defaults) trains the prompt of a tiny random BERT for seconds: a
-# smoke test, and these numbers mean nothing about GCBS. `cpu` (62 min on 2 cores) freezes notebook 05's start,
-# a small BERT pretrained here as a masked LM on the stand-in's sentences over all-MiniLM-L6-v2's word vectors
+# smoke test, and these numbers mean nothing about GCBS. `cpu` freezes notebook 05's start, a small BERT
+# pretrained here as a masked LM on the stand-in's sentences over all-MiniLM-L6-v2's word vectors
 # (`mlm-bert-minilm-emb`; PromCSE, like SimCSE, starts from a masked LM) and trains its prompt for one epoch over
-# all 17,009 of them at batch 64, on four paired seeds (section 4: the seed count). An earlier start, `mlm-bert`
-# (a masked LM on the stand-in's sentences alone), scored at chance, so its rows (79b7fa4) could not measure.
+# all 17,009 of them at batch 64, on four paired seeds (section 4: the seed count and the measured time). An
+# earlier start, `mlm-bert` (a masked LM on the stand-in's sentences alone), scored at chance, so its rows
+# (79b7fa4) could not measure.
 
 # %% tags=["parameters"]
 device = "cpu"
