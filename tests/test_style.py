@@ -1,8 +1,11 @@
 """The code's layout and size: a formatter and a linter own the layout (`make lint`), and what no
-rule of theirs says is checked here on the syntax tree; the package stays within its line budget."""
+rule of theirs says is checked here on the syntax tree; the package stays within its budget of code
+lines (docstrings, comments and blank lines are free: they are for the reader)."""
 
 import ast
+import io
 import re
+import tokenize
 import subprocess
 from pathlib import Path
 
@@ -11,20 +14,48 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["gcbs_lib", "tests", "bench", "tools", "data_scripts", "notebooks"]
 CORE = ["gradcache", "losses", "gcbs", "mining", "distributed", "seeding"]
-CORE_BUDGET = 1100
-PACKAGE_BUDGET = 5000
+# Code lines on 2026-12-04 when the budget began to count code only (core 621, package 3,633),
+# rounded up to the next hundred: features are paid for by removing duplication.
+CORE_BUDGET = 700
+PACKAGE_BUDGET = 3700
 
 
 def python_files():
     return sorted(p for folder in SOURCES for p in (ROOT / folder).rglob("*.py"))
 
 
+NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code, as `ruff format` lays it out: blank lines, comments and string
+    statements (docstrings) do not count; a statement spread over lines counts each of them."""
+    prose = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(getattr(node.value, "value", None), str):
+            prose.update(range(node.lineno, node.end_lineno + 1))
+
+    code = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in NOT_CODE | {tokenize.ENDMARKER}:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - prose)
+
+
 def package_lines(names=None):
-    """Lines of gcbs_lib's files (as `ruff format` lays them out: `make lint` holds them so)."""
+    """Code lines of gcbs_lib's files (`make lint` holds them to `ruff format`'s layout)."""
     files = sorted((ROOT / "gcbs_lib").rglob("*.py"))
     if names is not None:
         files = [ROOT / "gcbs_lib" / f"{name}.py" for name in names]
-    return sum(len(path.read_text().splitlines()) for path in files)
+    return sum(code_lines(path.read_text()) for path in files)
+
+
+def test_code_lines_leave_out_docstrings_comments_and_blank_lines():
+    source = (
+        'def f(x):\n    """Say what f does,\n    over two lines."""\n\n'
+        "    # why the next step\n    y = (\n        x + 1\n    )  # trailing\n    return y\n"
+    )
+    assert code_lines(source) == 5
 
 
 def plainness_faults(source: str) -> list[str]:
