@@ -5,8 +5,8 @@ lines (docstrings, comments and blank lines are free: they are for the reader)."
 import ast
 import io
 import re
-import tokenize
 import subprocess
+import tokenize
 from pathlib import Path
 
 import pytest
