@@ -14,7 +14,6 @@ import dataclasses
 import importlib
 import inspect
 import io
-import json
 import re
 from pathlib import Path
 
@@ -103,8 +102,8 @@ def notebook_parameters() -> set[str]:
 
 def metrics() -> set[str]:
     """The metrics of the committed rows, without their `@epoch<N>`."""
-    rows = [r for f in (ROOT / "results").glob("*.json") for r in json.loads(f.read_text())]
-    return {r["metric"].split("@")[0] for r in rows if isinstance(r, dict) and "metric" in r}
+    rows = [row for f in (ROOT / "results").glob("*.*.json") for row in results.read_rows(f)]
+    return {row["metric"].split("@")[0] for row in rows}
 
 
 def resolved(dotted: str):
