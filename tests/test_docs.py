@@ -4,8 +4,9 @@ key or function that the code does not have.
 
 The names are read from the pages' code spans and `bash` blocks: `--flags` of the runner, trainer
 and results commands, config keys (`key=value`, `--set KEY=VALUE`, the keys of `-p overrides`),
-`gcbs_lib.…` dotted names with the arguments they are shown called with, and bare snake_case names,
-which must be defined in `gcbs_lib`, be a config key, a notebook parameter or a committed metric.
+`gcbs_lib.…` dotted names with the arguments they are shown called with, `make` targets, files of
+the repository's code folders, and bare snake_case names, which must be defined in `gcbs_lib`, be a
+config key, a notebook parameter or a committed metric.
 """
 
 import ast
@@ -31,6 +32,8 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 DOCUMENTED = [page for page in PAGES if page != BENCHMARKS]
 COMMANDS = {"gcbs_lib.train": train, "gcbs_lib.reproduce": reproduce, "gcbs_lib.results": results}
+# folders whose files the pages name as they are (docs/ also names files a command will write)
+CODE_FOLDERS = ("bench", "data_scripts", "gcbs_lib", "notebooks", "results", "tests", "tools")
 # names of other libraries the docs cite, where they live
 ELSEWHERE = {"no_sync": DistributedDataParallel, "reverse_cuthill_mckee": scipy.sparse.csgraph}
 
@@ -143,6 +146,12 @@ def unknown_names(span: str, known: dict) -> list[str]:
         missing += [w for w in words if w not in inspect.signature(named).parameters]
     if re.fullmatch(r"_?[a-z][a-z0-9]*(_[a-z0-9]+)+", span) and span not in known["names"]:
         missing.append(span)
+    target = re.match(r"make ([a-z][\w-]*)(?!\S)", span)
+    if target and target[1] not in known["targets"]:
+        missing.append(f"make {target[1]}")
+    # a path with a <placeholder> names a pattern, not a file
+    paths = re.findall(rf"(?<![\w/.])(?:{'|'.join(CODE_FOLDERS)})/[^\s`]*", span)
+    missing += [p for p in paths if "<" not in p and not any(ROOT.glob(p.rstrip("/")))]
     return missing
 
 
@@ -154,6 +163,7 @@ def known():
         "options": {name: options(module) for name, module in COMMANDS.items()},
         "config": config_keys(),
         "names": names | set(ELSEWHERE),
+        "targets": set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M)),
     }
 
 
@@ -199,6 +209,9 @@ def test_every_flag_config_key_and_function_the_page_names_exists(page, known):
         "`gcbs_lib.launcher.launch(target, workers=2)`",
         "`python -m gcbs_lib.results readme --readme README.md`",
         """`-p overrides '{"plan_sample": 100}'`""",
+        "`make plan`",
+        "`python gcbs_lib/ddp_experiments.py`",
+        "`notebooks/params/*.gpu.yaml`",
     ],
 )
 def test_a_stale_name_fails_the_check(stale, known, tmp_path):
