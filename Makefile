@@ -13,7 +13,7 @@ TORCH_INDEX_URL ?=
 ARGS ?=
 LAB_ARGS ?=
 # The step benchmarks (GradCache, MIL-NCE) time one thread by the process's CPU time: steady on a shared CPU. For
-# CUDA rows run the scripts with --device cuda (wall time: CPU time misses the GPU's work); see README.md.
+# CUDA rows run the scripts with --device cuda (wall time: CPU time misses the GPU's work); see docs/gpu.md.
 BENCH_STEP_ARGS ?= --threads 1 --clock process
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 

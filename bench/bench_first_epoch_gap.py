@@ -153,7 +153,9 @@ def report(
         "(`published_permutation`, the `gcbs` arm) and the kit's variant (`gcbs_permutation`, "
         "seed = run seed). The gap is L^Global − L^Train of the planned batches at τ = 1 / scale "
         "(`loss_gap`, exactly as the trainer logs it; in nats, ≥ 0, lower is closer to the global "
-        "loss). Seconds: the order and its batches (the trainer's `sampler_seconds`); embed s: "
+        "loss).",
+        "",
+        "Seconds: the order and its batches (the trainer's `sampler_seconds`); embed s: "
         "the embedding pass. The seed sets the random order, the kit variant's relabelling and "
         "the start model where it is randomly initialised. ln(steps) = ln(N'/B), N' = steps × B "
         "the items in full batches: the gap of any order when all similarities are equal, what "

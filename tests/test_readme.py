@@ -1,6 +1,6 @@
-"""Every command README.md shows is run here, so the README cannot drift from what works.
+"""Every command README.md and docs/*.md show is run here, so they cannot drift from what works.
 
-Each test runs its README command as written plus, where it would run notebooks for long, options
+Each test runs its command as written plus, where it would run notebooks for long, options
 that keep it small (tiny parameters, or `--prepare-only`: papermill injects the parameters without
 executing), and writes into a temporary folder. `make` runs with `-o .venv/.installed` so a test
 never reinstalls the shared venv (`make test` itself installed it first). Two commands cannot run
@@ -32,17 +32,20 @@ from gcbs_lib.train import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+RESULTS_PAGE = (ROOT / "docs" / "results.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NO_REINSTALL = "make -o .venv/.installed"
 TINY_01 = (
     '-p chunk_sizes "[1, 7]" -p memory_batch_sizes "[16, 48]" -p timing_batch_size 32 -p '
     "timing_repeats 1"
 )
-RUNS = {}  # README command -> the test that runs it
+RUNS = {}  # command shown in README.md or docs/ -> the test that runs it
 
 
-def readme_commands():
-    """The lines of the README's ```bash blocks, without their comments."""
-    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+def shown_commands():
+    """The lines of the ```bash blocks of README.md and docs/*.md, without their comments."""
+    text = "".join(page.read_text() for page in PAGES)
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     return [
         line.split(" # ")[0].strip()
         for block in blocks
@@ -89,9 +92,9 @@ def injected(notebook):
     return {s.targets[0].id: ast.literal_eval(s.value) for s in ast.parse(cell.source).body}
 
 
-def test_every_command_the_readme_shows_is_run_by_a_test():
-    assert set(readme_commands()) == set(RUNS), (
-        "a README command without a test here, or a test for one it dropped"
+def test_every_command_the_readme_and_the_docs_show_is_run_by_a_test():
+    assert set(shown_commands()) == set(RUNS), (
+        "a command of README.md or docs/ without a test here, or a test for one they dropped"
     )
     assert all(name in globals() for name in RUNS.values())
 
@@ -178,8 +181,9 @@ def test_advtest_with_its_two_epochs_is_reachable_from_the_runner(tmp_path):
     ".venv/bin/python -m gcbs_lib.results collect runs/cpu",
     ".venv/bin/python -m gcbs_lib.results readme",
 )
-def test_a_run_of_notebook_01_is_collected_into_results_and_the_readme_table(tmp_path):
-    run, committed, readme = tmp_path / "cpu", tmp_path / "results", tmp_path / "README.md"
+def test_a_run_of_notebook_01_is_collected_into_results_and_the_generated_tables(tmp_path):
+    run, committed = tmp_path / "cpu", tmp_path / "results"
+    readme, page = tmp_path / "README.md", tmp_path / "results.md"
     sh(
         f".venv/bin/python -m gcbs_lib.reproduce --profile cpu --output-dir {run} --only 01 "
         f"{TINY_01}"
@@ -187,16 +191,19 @@ def test_a_run_of_notebook_01_is_collected_into_results_and_the_readme_table(tmp
     # named by its figure: tag
     assert (run / "figures" / "01_gradcache_memory-vs-batch-size.png").is_file()
     readme.write_text(README)
+    page.write_text(RESULTS_PAGE)
     sh(
-        f".venv/bin/python -m gcbs_lib.results collect {run} --results-dir {committed} --readme "
-        f"{readme}"
+        f".venv/bin/python -m gcbs_lib.results collect {run} --results-dir {committed} --pages "
+        f"{readme} {page}"
     )
     rows = json.loads((committed / "01_gradcache.cpu.json").read_text())
     assert rows and {r["profile"] for r in rows} == {"cpu"}
-    assert "| gradcache | max_rel_grad_error_float64 | — | — | kit |" in readme.read_text()
-    assert "is up to date" in sh(
-        f".venv/bin/python -m gcbs_lib.results readme --results-dir {committed} --readme {readme}"
+    assert "| gradcache | max_rel_grad_error_float64 | — | — | kit |" in page.read_text()
+    regenerated = sh(
+        f".venv/bin/python -m gcbs_lib.results readme --results-dir {committed} --pages {readme} "
+        f"{page}"
     )
+    assert regenerated.count("is up to date") == 2
 
 
 @runs(

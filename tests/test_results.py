@@ -1,5 +1,5 @@
-"""Result rows, the paper-vs-kit table built from them, and the README table generated from
-committed rows."""
+"""Result rows, the paper-vs-kit table built from them, and the tables generated from committed
+rows: the README's headline table and the full one of docs/results.md."""
 
 import json
 import math
@@ -18,7 +18,7 @@ from gcbs_lib.results import (
     record,
     result_row,
     to_markdown,
-    update_readme,
+    update_pages,
     write_rows,
 )
 
@@ -260,11 +260,14 @@ def fake_run(folder, rows, status="ok"):
     return folder
 
 
-def test_collect_copies_rows_of_notebooks_that_ran_with_provenance_and_the_readme_follows(
+def test_collect_copies_rows_of_notebooks_that_ran_with_provenance_and_the_tables_follow(
     tmp_path,
 ):
-    committed, readme = tmp_path / "results", tmp_path / "README.md"
-    readme.write_text(f"# Kit\n\n{results.README_START}\nstale\n{results.README_END}\n\nafter\n")
+    committed, readme, page = tmp_path / "results", tmp_path / "README.md", tmp_path / "results.md"
+    headline_start, headline_end = results.MARKERS["headline"]
+    full_start, full_end = results.MARKERS["full"]
+    readme.write_text(f"# Kit\n\n{headline_start}\nstale\n{headline_end}\n\nafter\n")
+    page.write_text(f"# Results\n\n{full_start}\nstale\n{full_end}\n\nafter\n")
     rows = [row("random", 0, 0.5), row("gcbs", 0, 0.6)]
     assert [p.name for p in collect(fake_run(tmp_path / "run", rows), committed)] == [
         "04_gcbs_codesearch.cpu.json"
@@ -283,18 +286,43 @@ def test_collect_copies_rows_of_notebooks_that_ran_with_provenance_and_the_readm
         "seconds": 12.5,
     }
     # stale: the check fails and changes nothing
-    assert not update_readme(readme, committed, check=True)
-    assert "stale" in readme.read_text()
-    assert not update_readme(readme, committed)  # rewrites
-    assert update_readme(readme, committed, check=True)
-    text = readme.read_text()
+    assert update_pages([readme, page], committed, check=True) == [readme, page]
+    assert "stale" in readme.read_text() and "stale" in page.read_text()
+    assert update_pages([readme, page], committed) == [readme, page]  # rewrites
+    assert update_pages([readme, page], committed, check=True) == []
+    full = page.read_text()
     assert (
-        "| codesearch | test_mrr |" in text
-        and "| abc1234 |" in text
-        and "gcbs_sampling" not in text
+        "| codesearch | test_mrr |" in full
+        and "| abc1234 |" in full
+        and "gcbs_sampling" not in full
     )
-    assert "Measured wall time of each run: 04_gcbs_codesearch 0 min on 2 cores\n" in text
-    assert text.endswith(f"{results.README_END}\n\nafter\n") and "stale" not in text
+    assert "Measured wall time of each run: 04_gcbs_codesearch 0 min on 2 cores\n" in full
+    assert full.endswith(f"{full_end}\n\nafter\n") and "stale" not in full
+    headline = readme.read_text()
+    assert "| codesearch | test_mrr | +0.1 | no per-item test outputs: no verdict |" in headline
+    assert "| abc1234 |" not in headline
+    assert headline.endswith(f"{headline_end}\n\nafter\n") and "stale" not in headline
+
+
+def test_a_page_without_the_markers_of_a_generated_table_is_refused(tmp_path):
+    page = tmp_path / "README.md"
+    start, end = results.MARKERS["headline"]
+    for text in ("# no table here\n", f"{start}\n{end}\n{start}\n"):
+        page.write_text(text)
+        with pytest.raises(ValueError, match="needs one start and one end line"):
+            update_pages([page], tmp_path / "results")
+
+
+def test_the_headline_table_shows_each_comparison_on_its_primary_metric_only():
+    """The primary metric is the test score of the experiment's dev metric (code search: MRR);
+    a line without a verdict, or on another metric, stays in the full table only."""
+    line = build_table([row("random", 0, 0.5), row("gcbs", 0, 0.6)])[0]
+    judged = line._replace(verdict="GCBS better", boot_low=0.05, boot_high=0.15)
+    others = [judged._replace(metric="test_recall"), judged._replace(verdict="")]
+    assert results.headline([judged, *others]).splitlines()[2:] == [
+        "| codesearch | test_mrr | +0.1 [+0.05, +0.15] | GCBS better | +0.0100 / +0.0200 / +0.0220 "
+        "(CosQA / AdvTest / CodeSearchNet, UniXcoder) |"
+    ]
 
 
 def test_collect_refuses_a_run_without_rows_of_a_notebook_that_ran_to_the_end(tmp_path):

@@ -159,10 +159,13 @@ def test_a_lower_median_rank_is_the_better_one():
     assert verdict.called("gcbs", "test_mrr", -3.0, -1.0) == "GCBS worse"
 
 
-def test_verify_recomputes_rows_and_the_readme_table_from_the_committed_outputs(tmp_path, capsys):
+def test_verify_recomputes_rows_and_the_generated_tables_from_the_committed_outputs(
+    tmp_path, capsys
+):
     random = {s: planted(s, 3) for s in range(2)}
     gcbs, start = {s: planted(s + 5, 2) for s in range(2)}, {s: planted(9, 40) for s in range(2)}
-    folder, readme = tmp_path / "results", tmp_path / "README.md"
+    folder, readme, page = tmp_path / "results", tmp_path / "README.md", tmp_path / "results.md"
+    pages = [readme, page]
 
     def commit(rows, records):
         write_rows(folder / "04_x.cpu.json", rows)
@@ -170,23 +173,25 @@ def test_verify_recomputes_rows_and_the_readme_table_from_the_committed_outputs(
 
     _, rows, records = comparison(random, gcbs, start)
     commit(rows, records)
-    readme.write_text(f"{results.README_START}\n{results.README_END}\n")
-    results.update_readme(readme, folder)
+    readme.write_text("\n".join(results.MARKERS["headline"]) + "\n")
+    page.write_text("\n".join(results.MARKERS["full"]) + "\n")
+    results.update_pages(pages, folder)
     assert "| codesearch | test_mrr |" in readme.read_text()
-    assert results.verify(folder, readme) is None
-    arguments = ["verify", "--results-dir", str(folder), "--readme", str(readme)]
+    assert "| codesearch | test_mrr |" in page.read_text()
+    assert results.verify(folder, pages) is None
+    arguments = ["verify", "--results-dir", str(folder), "--pages", str(readme), str(page)]
     with pytest.raises(SystemExit) as done:
         results.main(arguments)
     assert done.value.code == 0
     # a row that its outputs do not give
     commit([{**rows[0], "value": rows[0]["value"] + 0.001}, *rows[1:]], records)
-    assert "its per-item outputs give" in results.verify(folder, readme)
+    assert "its per-item outputs give" in results.verify(folder, pages)
     with pytest.raises(SystemExit) as done:
         results.main(arguments)
     assert done.value.code == 1 and "its per-item outputs give" in capsys.readouterr().out
     # rows and outputs agree, but the table was made from others
     commit(*comparison({**random, 0: [1] * 200}, gcbs, start)[1:])
-    assert "its table differs" in results.verify(folder, readme)
+    assert "its table differs" in results.verify(folder, pages)
 
 
 def test_the_committed_results_verify():
