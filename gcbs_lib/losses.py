@@ -95,8 +95,7 @@ def rank_info_nce(
         anchors = torch.arange(b, device=own.device)
         same = _same_group_mask(groups[own * group], groups, anchors, own * group)
         # query j's group is its positive document's: the mask's columns j·(1+k)
-        masks = (same, same[:, ::group])
-        logits = [x.masked_fill(mask, -math.inf) for x, mask in zip(logits, masks)]
+        logits = [x.masked_fill(m, -math.inf) for x, m in zip(logits, (same, same[:, ::group]))]
     targets = (own * group, own)
     return sum(F.cross_entropy(x, target) for x, target in zip(logits, targets)) / len(logits)
 

@@ -266,17 +266,14 @@ class Trainer:
         if config.one_per_group:  # as MIL-NCE's loader draws one clip of each video
             groups = self.train_set.groups
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
-            self.group_of = group_ids(groups)
+            self.group_of = torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
             n = int(self.group_of.max()) + 1
         if config.mask_same_group:
             groups = self.train_set.groups or self.train_set.duplicate_keys
             require(groups is not None, f"mask_same_group: {config.experiment} names no groups")
-            require(
-                self.experiment.in_batch_negatives,
-                f"mask_same_group: {config.experiment}'s negatives are not the batch's (a queue "
-                "of earlier keys, which carry no group)",
-            )
-            self.document_groups = group_ids(groups)
+            queue = f"mask_same_group: {config.experiment}'s negatives are a queue (ungrouped)"
+            require(self.experiment.in_batch_negatives, queue)
+            self.mask_groups = torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
@@ -436,7 +433,7 @@ class Trainer:
         if not self.config.mask_same_group:
             return batch
         documents = [indices] if negatives is None else [indices, negatives]
-        groups = self.document_groups[torch.tensor(documents).T.reshape(-1)]
+        groups = self.mask_groups[torch.tensor(documents).T.reshape(-1)]
         return batch._replace(extra={**(batch.extra or {}), "groups": groups})
 
     def _train_step(self, batch: experiments.Batch) -> dict:
@@ -543,11 +540,6 @@ class Trainer:
             "dev": self.run.records("eval"),
             "test": {r["metric"][5:]: r["value"] for r in rows if r["metric"].startswith("test_")},
         }
-
-
-def group_ids(groups) -> torch.Tensor:
-    """An integer id per item, equal where the items' groups are equal."""
-    return torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
 
 
 def rank_device(kind: str) -> torch.device:

@@ -454,7 +454,7 @@ def test_mask_same_group_leaves_simclrs_same_class_views_out_and_moco_refuses_it
     """SimCLR's negatives are the batch's: those of the anchor's class leave its denominator.
     MoCo's are a queue of earlier keys, which carry no class: the key is refused there."""
     settings = {**TINY, "data_root": str(image_root), "mask_same_group": True}
-    with pytest.raises(ValueError, match="mask_same_group: moco's negatives are not the batch's"):
+    with pytest.raises(ValueError, match="mask_same_group: moco.s negatives are a queue"):
         Trainer(load_config("moco", "ci", settings), tmp_path / "moco")
     trainer = Trainer(load_config("simclr", "ci", settings), tmp_path / "simclr")
     batch = trainer._collate(list(range(16)), None)

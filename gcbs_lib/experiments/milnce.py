@@ -254,10 +254,9 @@ def gradient_check(
     part = batch_size // world_size
     rows = order[rank * part : (rank + 1) * part].tolist()
     batch = Batch(*to_device(list(experiment.collate(rows)), experiment.device))
-    if mask_same_group:  # as the trainer's batches carry them
-        batch.extra["groups"] = torch.as_tensor(
-            experiment.bags["clip_video"][rows], device=experiment.device
-        )
+    if mask_same_group:  # each clip's video, as the trainer's batches carry it
+        videos = experiment.bags["clip_video"][rows]
+        batch.extra["groups"] = torch.as_tensor(videos, device=experiment.device)
     loss = cached_loss(
         lambda *z: experiment.loss(z, batch, scale), branches, batch.inputs, chunk_size or part
     )
