@@ -2,7 +2,9 @@
 text or ColBERT's late interaction), its per-rank share, MIL-NCE. InfoNCE: L = −(1/B) Σ_i log(
 exp(s·S[i, p(i)]) / Σ_j exp(s·S[i, j]) ), S the query × document scores, s the logit scale
 (1/temperature); with k hard negatives per query the documents come as `[pos_0, neg_0_1, …,
-neg_0_k, pos_1, …]`, so query i's positive is column p(i) = i·(k+1); the others are negatives."""
+neg_0_k, pos_1, …]`, so query i's positive is column p(i) = i·(k+1); the others are negatives.
+With `groups` (an id per document; a query's is its positive's), the negatives that share the
+anchor's group leave the denominator (the supervised oracle for false negatives); positives stay."""
 
 import math
 from typing import Callable, Union
@@ -45,20 +47,28 @@ def similarity(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     return tokens.masked_fill(padding[None, :, None, :], -math.inf).amax(dim=-1).sum(dim=-1)
 
 
-def info_nce(query, docs, scale: Scale = 20.0, symmetric=False) -> torch.Tensor:
+def info_nce(query, docs, scale: Scale = 20.0, symmetric=False, groups=None) -> torch.Tensor:
     """InfoNCE over the `similarity` of `query [B, D]` and `docs [B·(1+k), D]` (k hard negatives per
     query; [B, T, D] token vectors for late interaction). `scale`: a number, a tensor or a callable
     such as `LogitScale` (20 suits unit-norm embeddings: temperature 0.05). `symmetric=True`
-    averages with the document→query direction over the positive documents (CLIP)."""
-    return rank_info_nce(query, docs, scale, symmetric, rank=0, world_size=1)
+    averages with the document→query direction over the positive documents (CLIP). `groups
+    [B·(1+k)]`: each document's group id; same-group negatives leave the denominators."""
+    return rank_info_nce(query, docs, scale, symmetric, rank=0, world_size=1, groups=groups)
 
 
 def rank_info_nce(
-    all_queries, all_docs, scale: Scale = 20.0, symmetric=False, rank=None, world_size=None
+    all_queries,
+    all_docs,
+    scale: Scale = 20.0,
+    symmetric=False,
+    rank=None,
+    world_size=None,
+    groups=None,
 ) -> torch.Tensor:
     """L_r, rank r's share of InfoNCE over embeddings gathered from all W ranks: its B queries
     against all W·B·(1+k) documents (symmetric: also its B positive documents against all W·B
-    queries). The mean of L_r over ranks is `info_nce(all_queries, all_docs, scale, symmetric)`.
+    queries). The mean of L_r over ranks is `info_nce(all_queries, all_docs, scale, symmetric,
+    groups)`, `groups` being the global batch's document groups (gathered like the documents).
     Rank and world size default to this process's."""
     q, d = all_queries.shape, all_docs.shape
     shapes = f"queries {tuple(q)}, documents {tuple(d)}"
@@ -74,13 +84,28 @@ def rank_info_nce(
         "the query count ([positive, hard negatives...] per query), and the queries must split "
         "over the ranks",
     )
+    got = None if groups is None else tuple(groups.shape)
+    require(groups is None or got == (m,), f"groups must hold one id per document ({m}), got {got}")
     group, b, s = m // n, n // world_size, scale() if callable(scale) else scale
     own = torch.arange(rank * b, (rank + 1) * b, device=all_queries.device)
-    loss = F.cross_entropy(similarity(all_queries[own], all_docs) * s, own * group)
+    logits = [similarity(all_queries[own], all_docs) * s]
     if symmetric:
-        backward = similarity(all_docs[own * group], all_queries)
-        loss = (loss + F.cross_entropy(backward * s, own)) / 2
-    return loss
+        logits.append(similarity(all_docs[own * group], all_queries) * s)
+    if groups is not None:
+        anchors = torch.arange(b, device=own.device)
+        same = _same_group_mask(groups[own * group], groups, anchors, own * group)
+        # query j's group is its positive document's: the mask's columns j·(1+k)
+        logits = [x.masked_fill(m, -math.inf) for x, m in zip(logits, (same, same[:, ::group]))]
+    targets = (own * group, own)
+    return sum(F.cross_entropy(x, target) for x, target in zip(logits, targets)) / len(logits)
+
+
+def _same_group_mask(anchor_groups, candidate_groups, rows, cols) -> torch.Tensor:
+    """`[A, C]`, True where candidate c shares anchor a's group, False at the positives (rows[i],
+    cols[i]): the negatives `mask_same_group` leaves out of a denominator."""
+    same = anchor_groups[:, None] == candidate_groups[None, :]
+    same[rows, cols] = False
+    return same
 
 
 def mil_nce(
@@ -93,6 +118,7 @@ def mil_nce(
     reduction: str = "mean",
     *,
     exclude_idx: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MIL-NCE (Miech et al., CVPR 2020): clip i's positive is its bag P_i of neighbouring captions.
 
@@ -103,9 +129,11 @@ def mil_nce(
 
     "v2t" is the article's form, "both" the official code's. Bags may be ragged and share captions.
     `exclude_idx [B, E]` (-1 = padding) names captions that are no negatives for clip i: those pairs
-    (i, j) leave both sums. `chunk_size` streams the denominators in blocks of chunk_size² scores
-    (no B×N matrix is held), with the same values and gradients to rounding. Returns the mean, or
-    `[B]` with reduction="none"."""
+    (i, j) leave both sums, as do, with `groups [B]` (each clip's group id; a caption's is that of
+    the clips whose bags hold it), the captions of clip i's group outside P_i. `chunk_size` streams
+    the denominators in blocks of chunk_size² scores (no B×N score matrix is held; `groups` holds a
+    B×N bool mask), with the same values and gradients to rounding. Returns the mean, or `[B]` with
+    reduction="none"."""
     require(direction in ("v2t", "both"), f"direction must be 'v2t' or 'both', got {direction!r}")
     require(reduction in ("mean", "none"), f"reduction must be 'mean' or 'none', got {reduction!r}")
     chunks = chunk_size is None or type(chunk_size) is int and chunk_size > 0
@@ -138,6 +166,9 @@ def mil_nce(
     bags = bag_idx.clamp(min=0)
     rows, slots = (exclude >= 0).nonzero(as_tuple=True)
     cols = exclude[rows, slots]
+    if groups is not None:  # the pairs (clip, caption of its group outside its bag) leave too
+        same_rows, same_cols = _same_group_captions(groups, bag_idx, len(text))
+        rows, cols = torch.cat([rows, same_rows]), torch.cat([cols, same_cols])
     positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf)
     positive = positive.logsumexp(dim=1)
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
@@ -147,6 +178,21 @@ def mil_nce(
         denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
     loss = denominator - positive
     return loss.mean() if reduction == "mean" else loss
+
+
+def _same_group_captions(groups, bag_idx, captions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs (clip, caption) of `_same_group_mask` of clips against captions, as (rows, cols):
+    a caption's group is its bags' clips' (one group; captions in no bag: none), bags kept."""
+    got = tuple(groups.shape)
+    require(got == (len(bag_idx),), f"groups must hold one id per clip ({len(bag_idx)}), got {got}")
+    rows, slots = (bag_idx >= 0).nonzero(as_tuple=True)
+    cols = bag_idx[rows, slots]
+    # a caption in no bag takes a group no clip has
+    caption_groups = groups.new_full((captions,), int(groups.min()) - 1)
+    caption_groups[cols] = groups[rows]
+    one = torch.equal(caption_groups[cols], groups[rows])
+    require(one, "a caption is in the bags of clips of different groups: give a caption one group")
+    return _same_group_mask(groups, caption_groups, rows, cols).nonzero(as_tuple=True)
 
 
 def _masked_logsumexp(a, b, rows, cols, chunk_size: int | None) -> torch.Tensor:

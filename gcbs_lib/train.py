@@ -70,6 +70,9 @@ class TrainConfig:
     embed_batch_size: int = 256
     log_loss_gap: bool = True  # log the loss gap of each epoch's planned batches
     one_per_group: bool = False  # each epoch: one item per `TrainSet.groups`, drawn afresh
+    # in-batch negatives of the anchor's group (`TrainSet.groups`, else the duplicate keys) leave
+    # the InfoNCE denominators: the supervised oracle for false negatives
+    mask_same_group: bool = False
     eval_every: int = 0  # dev evaluation every N steps (0: at each epoch end only)
     checkpoint_every: int = 100
     sync_check_every: int = 0  # DDP: compare parameters and gradients across ranks every N steps
@@ -265,6 +268,12 @@ class Trainer:
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
             self.group_of = torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
             n = int(self.group_of.max()) + 1
+        if config.mask_same_group:
+            groups = self.train_set.groups or self.train_set.duplicate_keys
+            require(groups is not None, f"mask_same_group: {config.experiment} names no groups")
+            queue = f"mask_same_group: {config.experiment}'s negatives are a queue (ungrouped)"
+            require(self.experiment.in_batch_negatives, queue)
+            self.mask_groups = torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
@@ -336,7 +345,7 @@ class Trainer:
                 None if part is None else part[self.position, self.rows].tolist()
                 for part in self.plan.values()
             ]
-            record = self._train_step(self.experiment.collate(*rows))
+            record = self._train_step(self._collate(*rows))
             self.step, self.position = self.step + 1, self.position + 1
             self.run.log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
             done = self.step == self.total_steps
@@ -416,6 +425,16 @@ class Trainer:
         top = dict(top_k=config.mine_top_k, skip=config.mine_skip)
         negatives = mining.mine_hard_negatives(z1, z2, batches, keys=keys, generator=rng, **top)
         return {"batches": batches, "negatives": negatives}
+
+    def _collate(self, indices: list[int], negatives: list[int] | None) -> experiments.Batch:
+        """The experiment's batch; with `mask_same_group`, `extra["groups"]` holds the group id of
+        each document: an item's, then its mined negative's (the documents' layout)."""
+        batch = self.experiment.collate(indices, negatives)
+        if not self.config.mask_same_group:
+            return batch
+        documents = [indices] if negatives is None else [indices, negatives]
+        groups = self.mask_groups[torch.tensor(documents).T.reshape(-1)]
+        return batch._replace(extra={**(batch.extra or {}), "groups": groups})
 
     def _train_step(self, batch: experiments.Batch) -> dict:
         """Forward and backward (GradCache with `chunk_size`), all-reduce, clip, optimizer step."""

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from gcbs_lib.check import relative_error
 from gcbs_lib.ddp_scaling import (
@@ -29,9 +30,10 @@ from gcbs_lib.distributed import (
     rank_and_world_size,
     rank_difference,
 )
-from gcbs_lib.gradcache import encode_in_chunks
+from gcbs_lib.experiments import Batch, Experiment
+from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.launcher import launch
-from gcbs_lib.losses import info_nce
+from gcbs_lib.losses import info_nce, rank_info_nce
 
 # 2 chunks per branch: 4 replays, only the last may sync
 SETUP = ScalingSetup(per_rank=4, chunk_size=2)
@@ -123,8 +125,42 @@ def collective_checks(rows: int = 3, dim: int = 4) -> dict:
     }
 
 
+def grouped_batch(world_size: int, per_rank: int = 4) -> tuple:
+    """A float64 linear encoder, and the queries, documents (a positive and one hard negative per
+    query) and document groups of W·B pairs, groups repeating within and across ranks."""
+    torch.manual_seed(0)
+    encoder = nn.Linear(6, 4).double()
+    queries = torch.randn(world_size * per_rank, 6, dtype=torch.float64)
+    docs = torch.randn(2 * world_size * per_rank, 6, dtype=torch.float64)
+    return encoder, queries, docs, torch.arange(len(docs)) % 3
+
+
+def masked_step(chunk_size: int = 3) -> list:
+    """On every rank: its rows of `grouped_batch` through GradCache over a DDP encoder, its share of
+    the symmetric InfoNCE with same-group negatives masked, the groups gathered as the trainer's
+    batches carry them (`Batch.extra`); the encoder's gradient."""
+    rank, world_size = rank_and_world_size()
+    encoder, queries, docs, groups = grouped_batch(world_size)
+    queries, docs, groups = (
+        VirtualRanks(world_size).shard(x)[rank] for x in (queries, docs, groups)
+    )
+    batch = Batch([queries, docs], {"groups": groups})
+
+    def loss_fn(*embeddings):
+        gathered = map(gather_with_grad, embeddings)
+        return rank_info_nce(*gathered, 5.0, True, groups=Experiment.gathered_groups(batch))
+
+    cached_loss(loss_fn, DistributedDataParallel(encoder), batch.inputs, chunk_size).backward()
+    return flat_grad(encoder).tolist()
+
+
+def flat_grad(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+
+
 def on_every_rank(runs) -> dict:
-    return {"steps": ddp_steps(runs), "collectives": collective_checks()}
+    steps, masked = ddp_steps(runs), masked_step()
+    return {"steps": steps, "masked": masked, "collectives": collective_checks()}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"W={w}")
@@ -134,6 +170,7 @@ def job(request):
     return {
         "world_size": world_size,
         "collectives": out["collectives"],
+        "masked": out["masked"],
         "runs": [(name, setup, step) for (name, setup), step in zip(RUNS, out["steps"])],
         "reference": {
             p: full_batch_step(replace(SETUP, dropout=p), world_size) for p in (0.0, DROPOUT)
@@ -152,6 +189,17 @@ def test_the_kit_step_gives_the_full_batch_gradient_and_loss_with_and_without_dr
                 name,
             )
         assert abs(step["loss"] - reference["loss"]) <= 1e-10 * reference["loss"]
+
+
+def test_masking_same_group_negatives_on_ranks_gives_the_one_process_masked_gradient(job):
+    encoder, queries, docs, groups = grouped_batch(job["world_size"])
+    info_nce(encoder(queries), encoder(docs), 5.0, True, groups).backward()
+    reference = flat_grad(encoder)
+    encoder.zero_grad()
+    info_nce(encoder(queries), encoder(docs), 5.0, True).backward()
+    unmasked = flat_grad(encoder)
+    assert relative_error(torch.tensor(job["masked"], dtype=torch.float64), reference) <= 1e-12
+    assert relative_error(unmasked, reference) > 1e-3
 
 
 def test_dropout_really_changes_the_step(job):

@@ -22,7 +22,9 @@ from gcbs_lib.models import TinyTextEncoder, random_token_batch
 
 BATCH, LENGTH, VOCAB = 6, 10, 50
 CHUNK_SIZES = [1, 4, BATCH, BATCH + 5]  # one row, a non-divisor, the batch, more than the batch
-VARIANTS = ["plain", "hard_negatives", "symmetric", "logit_scale"]
+VARIANTS = ["plain", "hard_negatives", "symmetric", "logit_scale", "mask_same_group"]
+# 3·BATCH documents in four groups, that every chunk and rank cuts (mask_same_group)
+GROUPS = torch.arange(3 * BATCH) % 4
 
 
 @dataclass
@@ -69,7 +71,7 @@ def make_setup(variant="plain", shared=False, dtype=torch.float64, dropout=0.0, 
     )
     encoders = make().to(dtype) if shared else [make().to(dtype), make().to(dtype)]
     generator = torch.Generator().manual_seed(seed + 1)
-    n_docs = 3 * BATCH if variant == "hard_negatives" else BATCH
+    n_docs = 3 * BATCH if variant in ("hard_negatives", "mask_same_group") else BATCH
     batches = [
         random_token_batch(BATCH, LENGTH, VOCAB, generator),
         random_token_batch(n_docs, LENGTH, VOCAB, generator),
@@ -80,6 +82,7 @@ def make_setup(variant="plain", shared=False, dtype=torch.float64, dropout=0.0, 
         "hard_negatives": partial(info_nce, scale=20.0),
         "symmetric": partial(info_nce, scale=20.0, symmetric=True),
         "logit_scale": partial(info_nce, scale=scale),
+        "mask_same_group": partial(info_nce, scale=20.0, symmetric=True, groups=GROUPS),
     }[variant]
     modules = ([encoders] if shared else encoders) + ([scale] if variant == "logit_scale" else [])
     params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
@@ -105,8 +108,9 @@ def test_gradients_equal_the_full_batch_gradients(dtype, variant, shared, chunk_
     assert max_relative_error(grads, reference) <= tolerance(dtype)
 
 
-def test_the_loss_value_equals_the_full_batch_loss():
-    setup = make_setup("symmetric")
+@pytest.mark.parametrize("variant", ["symmetric", "mask_same_group"])
+def test_the_loss_value_equals_the_full_batch_loss(variant):
+    setup = make_setup(variant)
     torch.testing.assert_close(
         cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4),
         setup.full_batch_loss(),

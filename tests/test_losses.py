@@ -10,16 +10,27 @@ from gcbs_lib.losses import LogitScale, info_nce, rank_info_nce
 pytestmark = pytest.mark.usefixtures("float64_default")
 
 
-def reference_info_nce(query, docs, scale, symmetric):
-    """−log softmax at each query's positive, written as a loop."""
+def reference_info_nce(query, docs, scale, symmetric, groups=None):
+    """−log softmax at each query's positive, written as a loop; with `groups` (document j's group
+    groups[j], query i's that of its positive document i·group), each denominator runs over the
+    positive and the negatives of other groups."""
     group = len(docs) // len(query)
+    groups = range(len(docs)) if groups is None else groups
     scores = scale * query @ docs.T
-    forward = [-(scores[i, i * group] - scores[i].logsumexp(0)) for i in range(len(query))]
-    loss = torch.stack(forward).mean()
-    if symmetric:
-        positives = scores[:, ::group]
-        backward = [-(positives[i, i] - positives[:, i].logsumexp(0)) for i in range(len(query))]
-        loss = (loss + torch.stack(backward).mean()) / 2
+    losses = []
+    for i in range(len(query)):
+        positive = i * group
+        kept = [j for j in range(len(docs)) if j == positive or groups[j] != groups[positive]]
+        losses.append(-(scores[i, positive] - scores[i, kept].logsumexp(0)))
+    loss = torch.stack(losses).mean()
+    if symmetric:  # positive document i against the queries j
+        losses = []
+        for i in range(len(query)):
+            kept = [
+                j for j in range(len(query)) if j == i or groups[j * group] != groups[i * group]
+            ]
+            losses.append(-(scores[i, i * group] - scores[kept, i * group].logsumexp(0)))
+        loss = (loss + torch.stack(losses).mean()) / 2
     return loss
 
 
@@ -29,6 +40,45 @@ def test_info_nce_is_cross_entropy_at_each_querys_positive(hard_negatives, symme
     query, docs = torch.randn(5, 8), torch.randn(5 * (1 + hard_negatives), 8)
     expected = reference_info_nce(query, docs, 20.0, symmetric)
     torch.testing.assert_close(info_nce(query, docs, 20.0, symmetric), expected, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("hard_negatives", [0, 2])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_same_group_negatives_leave_the_denominator_and_the_positive_stays(
+    hard_negatives, symmetric
+):
+    query, docs = torch.randn(6, 8), torch.randn(6 * (1 + hard_negatives), 8)
+    # four groups: every query has same-group negatives (hard ones among them) and its positive
+    # shares its group with other queries' positives
+    groups = torch.arange(len(docs)) % 4
+    scale = torch.tensor(5.0, requires_grad=True)
+    masked = info_nce(query, docs, scale, symmetric, groups=groups)
+    expected = reference_info_nce(query, docs, scale, symmetric, groups.tolist())
+    torch.testing.assert_close(masked, expected, rtol=1e-14, atol=0)
+    assert not torch.isclose(masked, info_nce(query, docs, scale, symmetric))
+    (grad,) = torch.autograd.grad(masked, scale)
+    (expected_grad,) = torch.autograd.grad(expected, scale)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("hard_negatives", [0, 2])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_groups_that_never_repeat_give_exactly_the_unmasked_loss(hard_negatives, symmetric):
+    query = torch.randn(5, 8, requires_grad=True)
+    docs = torch.randn(5 * (1 + hard_negatives), 8)
+    losses = [
+        info_nce(query, docs, 20.0, symmetric, groups) for groups in (None, torch.arange(len(docs)))
+    ]
+    grads = [torch.autograd.grad(loss, query)[0] for loss in losses]
+    assert torch.equal(*losses) and torch.equal(*grads)
+
+
+def test_groups_of_the_wrong_length_are_refused():
+    query, docs = torch.randn(4, 8), torch.randn(8, 8)
+    with pytest.raises(ValueError, match=r"groups must hold one id per document \(8\), got \(4,\)"):
+        info_nce(query, docs, groups=torch.arange(4))
+    with pytest.raises(ValueError, match="one id per document"):
+        rank_info_nce(query, docs, groups=torch.zeros(9, dtype=torch.long), rank=1, world_size=2)
 
 
 def test_documents_that_do_not_divide_among_queries_are_refused():
@@ -72,21 +122,25 @@ def test_logit_scale_receives_the_gradient_of_the_loss():
     torch.testing.assert_close(scale.log_scale.grad, log_scale.grad, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["all_negatives", "mask_same_group"])
 @pytest.mark.parametrize("hard_negatives", [0, 2])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_the_mean_of_the_rank_shares_is_info_nce_over_the_gathered_batch(hard_negatives, symmetric):
+def test_the_mean_of_the_rank_shares_is_info_nce_over_the_gathered_batch(
+    hard_negatives, symmetric, masked
+):
     world_size, per_rank = 3, 4
     queries, docs = (
         torch.randn(world_size * per_rank, 8),
         torch.randn(world_size * per_rank * (1 + hard_negatives), 8),
     )
+    # groups across ranks: rank r's documents share groups with the other ranks'
+    groups = torch.arange(len(docs)) % 5 if masked else None
     shares = [
-        rank_info_nce(queries, docs, 5.0, symmetric, rank=r, world_size=world_size)
+        rank_info_nce(queries, docs, 5.0, symmetric, rank=r, world_size=world_size, groups=groups)
         for r in range(world_size)
     ]
-    torch.testing.assert_close(
-        torch.stack(shares).mean(), info_nce(queries, docs, 5.0, symmetric), rtol=1e-14, atol=0
-    )
+    whole = info_nce(queries, docs, 5.0, symmetric, groups)
+    torch.testing.assert_close(torch.stack(shares).mean(), whole, rtol=1e-14, atol=0)
 
 
 def test_outside_a_process_group_the_rank_share_is_the_whole_loss():

@@ -27,14 +27,23 @@ def disjoint_bags(b, k):
     return torch.arange(b * k).view(b, k)
 
 
-def reference(video, text, bag_idx, temperature, direction, exclude_idx=None):
-    """ℓ_i written as a loop over the sums of the definition."""
+def reference(video, text, bag_idx, temperature, direction, exclude_idx=None, groups=None):
+    """ℓ_i written as a loop over the sums of the definition; with `groups` (clip i's group
+    groups[i], caption j's that of the clips whose bags hold it), the pairs (clip, caption of its
+    group outside its bag) are excluded too."""
     s = video @ text.T / temperature
     excluded = (
         {(i, j) for i, row in enumerate(exclude_idx.tolist()) for j in row if j >= 0}
         if exclude_idx is not None
         else set()
     )
+    if groups is not None:
+        bags = [[j for j in row if j >= 0] for row in bag_idx.tolist()]
+        caption_group = {j: groups[i] for i, bag in enumerate(bags) for j in bag}
+        for i, bag in enumerate(bags):
+            excluded |= {
+                (i, j) for j, g in caption_group.items() if g == groups[i] and j not in bag
+            }
     losses = []
     for i, row in enumerate(bag_idx.tolist()):
         bag = [j for j in row if j >= 0]
@@ -138,6 +147,46 @@ def test_ragged_shared_bags_and_exclusions_follow_the_definition(direction):
             rtol=1e-13,
             atol=0,
         )
+
+
+# clips 0, 1, 4 of one video (group 7), clips 2, 3 of another (group 2); caption 1 in two bags of
+# group 7, captions 5 and 9 in none
+GROUPED_BAGS = torch.tensor([[0, 1, -1], [1, 2, 3], [4, -1, -1], [6, 7, 8], [10, -1, -1]])
+GROUPS = torch.tensor([7, 7, 2, 2, 7])
+
+
+@pytest.mark.parametrize("direction", ["v2t", "both"])
+@pytest.mark.parametrize("chunk_size", [None, 2, 100])
+def test_same_group_captions_outside_the_bag_leave_both_sums(direction, chunk_size):
+    video, text = embeddings(5, 11)
+    exclude = torch.tensor([[9, 2], [0, -1], [-1, -1], [5, 4], [-1, -1]])
+    options = dict(reduction="none", exclude_idx=exclude)
+    masked = mil_nce(
+        video, text, GROUPED_BAGS, 0.5, direction, chunk_size, groups=GROUPS, **options
+    )
+    expected = reference(video, text, GROUPED_BAGS, 0.5, direction, exclude, GROUPS.tolist())
+    assert relative_error(masked, expected) <= 1e-13
+    unmasked = mil_nce(video, text, GROUPED_BAGS, 0.5, direction, chunk_size, **options)
+    assert not torch.isclose(masked.mean(), unmasked.mean())
+    grads = [torch.autograd.grad(loss.sum(), (video, text)) for loss in (masked, expected)]
+    assert max(map(relative_error, *grads)) <= 1e-12
+
+
+@pytest.mark.parametrize("direction", ["v2t", "both"])
+def test_clips_of_groups_that_never_repeat_give_exactly_the_unmasked_mil_nce(direction):
+    video, text = embeddings(4, 9)
+    bags = torch.tensor([[0, 1], [2, -1], [3, 4], [6, 7]])  # captions 5 and 8 in no bag
+    losses = [mil_nce(video, text, bags, 0.5, direction, groups=g) for g in (None, torch.arange(4))]
+    grads = [torch.autograd.grad(loss, (video, text)) for loss in losses]
+    assert torch.equal(*losses) and all(map(torch.equal, *grads))
+
+
+def test_groups_of_the_wrong_length_or_split_captions_are_refused():
+    video, text = embeddings(5, 11)
+    with pytest.raises(ValueError, match=r"one id per clip \(5\), got \(4,\)"):
+        mil_nce(video, text, GROUPED_BAGS, groups=GROUPS[:4])
+    with pytest.raises(ValueError, match="bags of clips of different groups"):
+        mil_nce(video, text, GROUPED_BAGS, groups=torch.tensor([7, 8, 2, 2, 7]))
 
 
 @pytest.mark.parametrize("direction", ["v2t", "both"])

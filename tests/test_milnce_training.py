@@ -13,9 +13,11 @@ from gcbs_lib.seeding import generator
 from gcbs_lib.train import load_config, train
 
 
-def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
+@pytest.mark.parametrize("mask_same_group", [False, True])
+def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path, mask_same_group):
     options = asdict(load_config("milnce", "gradient-check", {"data_dir": str(tmp_path)}).options)
-    single = gradient_check(options, batch_size=16, device="cpu")
+    check = dict(options=options, batch_size=16, mask_same_group=mask_same_group)
+    single = gradient_check(**check, device="cpu")
     experiment = MilNce(MilNce.Options(**options), seed=0, device="cpu")
     experiment.load_data()
     order = torch.randperm(
@@ -25,12 +27,13 @@ def test_two_gloo_ranks_give_the_single_process_full_batch_gradient(tmp_path):
     shared = set(halves[0]["caption_ids"].tolist()) & set(halves[1]["caption_ids"].tolist())
     # cross-rank duplicates and exclusions occur
     assert shared and any((h["exclude_ids"] >= 0).any() for h in halves)
-    ddp = launch(
-        gradient_check,
-        nproc=2,
-        args={"options": options, "batch_size": 16, "chunk_size": 3},
-        echo=False,
-    )
+    # clips of one video on both ranks: masking changes the loss
+    videos = experiment.bags["clip_video"][order.numpy()]
+    assert len(set(videos[:8]) & set(videos[8:]))
+    if mask_same_group:
+        unmasked = gradient_check(options, batch_size=16, device="cpu")
+        assert single["loss"] != pytest.approx(unmasked["loss"], rel=1e-6)
+    ddp = launch(gradient_check, nproc=2, args={**check, "chunk_size": 3}, echo=False)
     assert ddp["rank_difference"] == 0.0
     assert ddp["loss"] == pytest.approx(single["loss"], rel=1e-13)
     assert relative_error(torch.tensor(ddp["grad"]), torch.tensor(single["grad"])) < 1e-12

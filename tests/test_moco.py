@@ -16,7 +16,7 @@ from test_data_images import write_idx
 from gcbs_lib.experiments import get, moco
 from gcbs_lib.experiments.moco import MoCo, MoCoModel, RandomViews, SplitBatchNorm2d, colour, hue
 from gcbs_lib.seeding import stream_seed
-from gcbs_lib.train import load_checkpoint, load_config, train
+from gcbs_lib.train import Trainer, load_checkpoint, load_config, train
 
 TINY = {
     "data": "fashion-mnist",
@@ -446,3 +446,25 @@ def test_simclr_trains_both_views_through_the_query_encoder_against_the_batch(im
     torch.testing.assert_close(pair[0], expected)
     summary = train(config, tmp_path / "run")
     assert summary["rows"][0]["model"].startswith("simclr-") and summary["steps"] == 1
+
+
+def test_mask_same_group_leaves_simclrs_same_class_views_out_and_moco_refuses_it(
+    image_root, tmp_path
+):
+    """SimCLR's negatives are the batch's: those of the anchor's class leave its denominator.
+    MoCo's are a queue of earlier keys, which carry no class: the key is refused there."""
+    settings = {**TINY, "data_root": str(image_root), "mask_same_group": True}
+    with pytest.raises(ValueError, match="mask_same_group: moco.s negatives are a queue"):
+        Trainer(load_config("moco", "ci", settings), tmp_path / "moco")
+    trainer = Trainer(load_config("simclr", "ci", settings), tmp_path / "simclr")
+    batch = trainer._collate(list(range(16)), None)
+    labels = trainer.experiment.train_labels[:16]
+    assert torch.equal(batch.extra["groups"], labels)  # the classes 0…3 are their own ids
+    torch.manual_seed(0)
+    z1, z2 = (trainer.model.query(x) for x in batch.inputs)
+    same_class = (labels[:, None] == labels[None, :]) & ~torch.eye(16, dtype=torch.bool)
+    logits = (z1 @ z2.T * trainer.config.scale).masked_fill(same_class, float("-inf"))
+    expected = F.cross_entropy(logits, torch.arange(16))
+    torch.testing.assert_close(
+        trainer.experiment.loss([z1, z2], batch, trainer.config.scale), expected
+    )

@@ -26,6 +26,7 @@ from gcbs_lib.data import write_atomic
 from gcbs_lib.experiments.codesearch import CodeSearch
 from gcbs_lib.gcbs import consecutive_batches, published_permutation
 from gcbs_lib.launcher import LaunchError, launch
+from gcbs_lib.losses import info_nce
 from gcbs_lib.seeding import generator
 from gcbs_lib.train import (
     TrainConfig,
@@ -372,6 +373,46 @@ def test_one_item_per_group_is_what_each_epoch_embeds_plans_trains_on_and_measur
     assert measured == [full, full]
     epochs = records(tmp_path, "epoch")
     assert [r["same_group_pairs"] for r in epochs] == [0.0, 0.0]
+
+
+def test_mask_same_group_hands_the_loss_each_documents_source_module(tmp_path, data_root):
+    """The step's loss with `mask_same_group`: InfoNCE whose denominators leave out the code (the
+    positives' and the mined negatives') of the query's source module, through GradCache."""
+    overrides = dict(sampler="hard_negatives", mask_same_group=True, chunk_size=5)
+    config = load_config(
+        "codesearch", "ci", settings(data_root, dropout=0.0, dtype="float64", **overrides)
+    )
+    trainer = Trainer(config, tmp_path)
+    indices, negatives = (part[0].tolist() for part in trainer._plan_epoch().values())
+    batch = trainer._collate(indices, negatives)
+    codes = [k for pair in zip(indices, negatives) for k in pair]  # the documents' order
+    modules = [trainer.experiment.train[k]["key"].partition("#")[0] for k in codes]
+    groups = batch.extra["groups"]
+    assert (groups[:, None] == groups[None, :]).tolist() == [
+        [a == b for b in modules] for a in modules
+    ]
+    assert len(set(modules)) < len(modules)  # some code shares its query's module
+    query, code = (trainer.model(x) for x in batch.inputs)
+    masked = info_nce(query, code, config.scale, groups=groups)
+    assert trainer._train_step(batch)["loss"] == pytest.approx(masked.item(), rel=1e-12)
+    assert masked.item() != pytest.approx(info_nce(query, code, config.scale).item(), rel=1e-3)
+
+
+def test_mask_same_group_shows_in_the_config_and_needs_an_experiment_with_groups(
+    tmp_path, data_root, capsys, monkeypatch
+):
+    main(["--experiment", "codesearch", "--print-config", "--set", "mask_same_group=true"])
+    assert yaml.safe_load(capsys.readouterr().out)["mask_same_group"] is True
+    assert load_config("codesearch").mask_same_group is False
+    load = CodeSearch.load_data
+
+    def ungrouped(experiment):
+        return load(experiment)._replace(duplicate_keys=None, groups=None)
+
+    monkeypatch.setattr(CodeSearch, "load_data", ungrouped)
+    config = load_config("codesearch", "ci", settings(data_root, mask_same_group=True))
+    with pytest.raises(ValueError, match="mask_same_group: codesearch names no groups"):
+        Trainer(config, tmp_path)
 
 
 def plan_on_a_rank(config: dict, output_dir: str) -> dict:

@@ -39,7 +39,9 @@ Outputs = dict[str, dict[str, list]]
 
 
 class Batch(NamedTuple):
-    """This rank's rows of a step: `inputs` per branch; `extra`, more loss inputs (read only)."""
+    """This rank's rows of a step: `inputs` per branch; `extra`, more loss inputs (read only), with
+    `mask_same_group` "groups": the group id of each document (an item's, then its mined negative's;
+    MIL-NCE: of each clip), whole through GradCache's chunks."""
 
     inputs: list
     extra: dict[str, Any] | None = None
@@ -56,6 +58,7 @@ class Experiment(ABC):
     data_name: str
     model_name: str
     supports_mining = False  # collate takes mined `negatives`
+    in_batch_negatives = True  # `mask_same_group` applies (MoCo's negatives: an ungrouped queue)
     config: str | None = None  # configs/<config>.yaml holds its profiles (default: its own name)
     from_scratch = False  # the start is a random init (the gate does not hold it to chance)
 
@@ -76,8 +79,16 @@ class Experiment(ABC):
 
     def loss(self, embeddings: Sequence[torch.Tensor], batch: Batch, scale) -> torch.Tensor:
         """Rank r's share of the global loss over the branches' embeddings (notebook 02); by
-        default, InfoNCE of its anchors over every rank's positives."""
-        return rank_info_nce(*map(gather_with_grad, embeddings), scale)
+        default, InfoNCE of its anchors over every rank's positives (and their groups')."""
+        groups = self.gathered_groups(batch)
+        return rank_info_nce(*map(gather_with_grad, embeddings), scale, groups=groups)
+
+    @staticmethod
+    def gathered_groups(batch: Batch) -> torch.Tensor | None:
+        """The global batch's group ids (`mask_same_group`), gathered as `gather_with_grad` gathers
+        the embeddings; None without them."""
+        groups = (batch.extra or {}).get("groups")
+        return None if groups is None else gather_with_grad(groups)
 
     @abstractmethod
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:

@@ -156,6 +156,7 @@ class MilNce(Experiment):
             self.options.loss_chunk_size,
             reduction="none",
             exclude_idx=exclude,
+            groups=self.gathered_groups(batch),
         )
         # the mean over this rank's clips
         return losses.split(len(video))[rank_and_world_size()[0]].mean()
@@ -236,10 +237,12 @@ def gradient_check(
     scale: float = 20.0,
     chunk_size: int | None = None,
     device: str | None = None,
+    mask_same_group: bool = False,
 ) -> dict:
     """One float64 step of DDP heads through GradCache on this rank's share of a seeded batch (a
-    torchrun target) on `device` (default: `device_for` the process group): mean loss over ranks,
-    flat gradient, its `rank_difference` (0.0: in sync)."""
+    torchrun target) on `device` (default: `device_for` the process group), the captions of each
+    clip's video outside its bag masked with `mask_same_group`: mean loss over ranks, flat
+    gradient, its `rank_difference` (0.0: in sync)."""
     rank, world_size = rank_and_world_size()
     experiment = MilNce(MilNce.Options(**options), seed=seed, device=device or device_for())
     order = torch.randperm(experiment.load_data().size, generator=generator(seed, 0, "shuffle"))
@@ -251,6 +254,9 @@ def gradient_check(
     part = batch_size // world_size
     rows = order[rank * part : (rank + 1) * part].tolist()
     batch = Batch(*to_device(list(experiment.collate(rows)), experiment.device))
+    if mask_same_group:  # each clip's video, as the trainer's batches carry it
+        videos = experiment.bags["clip_video"][rows]
+        batch.extra["groups"] = torch.as_tensor(videos, device=experiment.device)
     loss = cached_loss(
         lambda *z: experiment.loss(z, batch, scale), branches, batch.inputs, chunk_size or part
     )

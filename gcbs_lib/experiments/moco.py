@@ -241,6 +241,7 @@ class MoCo(Experiment):
 
     dev_metric = "knn_accuracy"
     from_scratch = True
+    in_batch_negatives = False  # the queue's keys: earlier batches', their groups not kept
     data_name = property(lambda self: DATA_NAMES[self.options.data])
     family = "moco-v2"  # of the model name
     model_name = property(
@@ -348,4 +349,5 @@ class SimCLR(MoCo):
         return [model.query, model.query]
 
     loss = Experiment.loss  # InfoNCE of the first views over the batch's second views
+    in_batch_negatives = True
     after_step = Experiment.after_step
