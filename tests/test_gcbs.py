@@ -1,6 +1,8 @@
 """Specification of GCBS: the published order, the kit's exact similarity threshold and RCM
 permutation, the epoch's batches, the loss gap."""
 
+import statistics
+
 import numpy as np
 import pytest
 import torch
@@ -78,11 +80,12 @@ DATA_SETS = {  # name: (z1, z2, quantile)
 
 def literal_published(z1, z2, quantile):
     """The published minimal code written out: S whole, torch.quantile of each 10-row chunk in a
-    Python loop, their median, the csr matrix of S above it, scipy's RCM."""
+    Python loop (0-d float32 tensors), statistics.median of that list, the csr matrix of S above
+    it, scipy's RCM."""
     x, y = (F.normalize(z.float(), dim=1) for z in (z1, z2))
     similarity = x @ y.T
     quantiles = [torch.quantile(similarity[i : i + 10], quantile) for i in range(0, len(x), 10)]
-    threshold = torch.tensor(quantiles).median()
+    threshold = statistics.median(quantiles)
     order = reverse_cuthill_mckee(csr_matrix((similarity > threshold).numpy()))
     return torch.from_numpy(order.astype(np.int64))
 
@@ -134,6 +137,22 @@ def test_published_permutation_equals_the_published_code_index_for_index(name):
     order = published_permutation(z1, z2, quantile)
     assert order.dtype == torch.long and torch.equal(order, literal_published(z1, z2, quantile))
     assert torch.equal(order.sort().values, torch.arange(len(z1)))
+
+
+@pytest.mark.parametrize("n, seed", [(1000, 1), (2000, 0), (990, 1), (1010, 1)])
+def test_the_threshold_is_statistics_median_of_the_chunk_quantiles_at_even_and_odd_counts(n, seed):
+    """100 or 200 chunks: the mean of the two middle quantiles, which moves edges here (the lower
+    middle one, Tensor.median's, would not give the published graph); 99 or 101: the middle one."""
+    z1, z2 = pairs(n, 16, clusters=n // 50, seed=seed)
+    x, y = (F.normalize(z, dim=1) for z in (z1, z2))
+    similarity = x @ y.T
+    quantiles = [torch.quantile(similarity[i : i + 10], 0.999) for i in range(0, n, 10)]
+    median, lower = statistics.median(quantiles), torch.stack(quantiles).median()
+    graph = gcbs.published_graph(z1, z2, 0.999).toarray()
+    assert np.array_equal(graph, (similarity > median).numpy())
+    even = len(quantiles) % 2 == 0
+    assert np.array_equal(graph, (similarity > lower).numpy()) != even
+    assert torch.equal(published_permutation(z1, z2, 0.999), literal_published(z1, z2, 0.999))
 
 
 @pytest.mark.parametrize(
