@@ -15,6 +15,7 @@ edge land close together, hence mostly in one batch. Two orders, S taken in row 
 
 import contextlib
 import math
+import statistics
 from collections import deque
 from typing import Hashable, Sequence
 
@@ -147,14 +148,8 @@ def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -
     require(n >= 2, f"need at least 2 items for an off-diagonal similarity, got N = {n}")
     threshold, flat, values = _threshold_and_candidates(u1, u2, quantile)
     rows, cols = np.divmod(flat[values > np.float64(threshold)], n)
-    # node p of the relabelled graph is item relabel[p]
-    relabel = np.random.default_rng(seed).permutation(n)
-    label = np.argsort(relabel)
-    directed = sp.csr_matrix((np.ones(len(rows), bool), (label[rows], label[cols])), shape=(n, n))
-    graph = (directed + directed.T).tocsr()
-    graph.sort_indices()
-    order = relabel[reverse_cuthill_mckee(graph, symmetric_mode=True)]
-    return torch.from_numpy(order.astype(np.int64))
+    directed = sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
+    return graph_order(directed, relabel=np.random.default_rng(seed).permutation(n))
 
 
 def _chunk_quantiles(chunks: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -201,10 +196,9 @@ def published_graph(z1, z2, quantile: float = 0.999) -> sp.csr_matrix:
         if len(values) > 4 * (1 - quantile) * block.numel() + 10 * n:
             flat, values, bound = None, None, math.inf
         kept.append((start, len(block), bound, flat, values))
-    ranked = torch.cat(quantiles).sort().values
-    # statistics.median: the middle value (twice, for an odd count), (a + b) / 2 in float32
-    low, high = ranked[(len(ranked) - 1) // 2], ranked[len(ranked) // 2]
-    threshold = np.float32(((low + high) / 2).item())
+    # the README's own median of 0-d float32 tensors (sorted first: the sort then scans them once)
+    median = statistics.median(torch.cat(quantiles).sort().values.cpu().unbind())
+    threshold = np.float32(median.item())
     for start, length, bound, flat, values in kept:
         if bound > threshold:
             flat, values = _at_least(u1[start : start + length] @ u2.T, threshold)
