@@ -274,6 +274,10 @@ class Trainer:
             named is not None or not config.gcbs_prune_groups,
             f"gcbs_prune_groups: {config.experiment} names no groups",
         )
+        require(
+            (config.gcbs_neighbours or 0) <= n,
+            f"gcbs_neighbours must be at most N = {n}, the items of an epoch",
+        )
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")

@@ -361,6 +361,12 @@ def test_shuffled_batch_order_keeps_every_planned_batch_and_changes_only_their_o
     assert planned != shuffled and sorted(planned) == sorted(shuffled)
 
 
+def test_more_gcbs_neighbours_than_items_are_refused_naming_n(tmp_path, data_root):
+    config = load_config("codesearch", "ci", settings(data_root, gcbs_neighbours=193))
+    with pytest.raises(ValueError, match="gcbs_neighbours must be at most N = 192"):
+        Trainer(config, tmp_path)
+
+
 def test_gcbs_arms_log_their_graph_and_every_arm_what_it_drops_again_as_result_rows(
     tmp_path, data_root, monkeypatch
 ):
