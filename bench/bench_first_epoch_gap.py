@@ -61,7 +61,7 @@ def planned_batches(trainer: Trainer, z1, z2, items: torch.Tensor, order: str) -
         sampler = config.sampler
         config.sampler = "gcbs" if order == "published" else "random"
         try:
-            return trainer._sample(z1, z2, items)["batches"]
+            return trainer._sample(z1, z2, items)[0]["batches"]
         finally:
             config.sampler = sampler
     keys = trainer.train_set.duplicate_keys

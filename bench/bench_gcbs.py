@@ -15,6 +15,8 @@ each block's candidate edges; directed graph, RCM).
     python bench/bench_gcbs.py --sizes 30000 --repeats 1 --markdown ''
     # similarity work on the GPU
     python bench/bench_gcbs.py --device cuda --markdown docs/bench/gcbs_cuda.md
+    # peak memory: the published order once per N, each in a fresh process (printed only)
+    python bench/bench_gcbs.py --peak-rss --sizes 10000 20000 30000 40000
 
 Each trial times every arm once, in an order rotated from trial to trial; a table cell is the median
 over trials with the min–max range, and "kit / floor" and "published / floor" are the medians of the
@@ -24,7 +26,10 @@ per-trial ratios.
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,6 +115,34 @@ def measure(n: int, repeats: int, args: argparse.Namespace, data: str) -> dict:
             p / f for p, f in zip(seconds.get("published", []), seconds["floor"])
         ],
     }
+
+
+def peak_rss(n: int, args: argparse.Namespace) -> dict:
+    """One published order at this N in this (fresh) process: its seconds, and the process's peak
+    resident memory (ru_maxrss) before and after it, in GB."""
+    z1, z2 = (z.to(args.device) for z in embedded_pairs(n, args.dim, True))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    published(z1, z2, args.quantile)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"n": n, "seconds": seconds, "before_gb": before / 2**20, "peak_gb": after / 2**20}
+
+
+def peak_rss_table(args: argparse.Namespace) -> list[str]:
+    """Each N measured by `peak_rss` in a fresh subprocess (a process's peak never falls), printed
+    as a markdown table row by row."""
+    lines = ["| N | published s | peak RSS GB | RSS before the order GB |", "|---:|---:|---:|---:|"]
+    print("\n".join(lines))
+    for n in args.sizes:
+        child = [sys.executable, __file__, "--rss-of", str(n), "--dim", str(args.dim)]
+        child += ["--quantile", str(args.quantile), "--device", args.device]
+        row = json.loads(subprocess.run(child, capture_output=True, check=True, text=True).stdout)
+        lines.append(
+            f"| {n:,} | {row['seconds']:.1f} | {row['peak_gb']:.2f} | {row['before_gb']:.2f} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -200,7 +233,19 @@ def main() -> None:
         default=DEFAULT_MARKDOWN,
         help=f"write the report section here (default {DEFAULT_MARKDOWN}; '' to only print)",
     )
+    parser.add_argument(
+        "--peak-rss",
+        action="store_true",
+        help="instead of timed trials: the published order's peak RSS at each N (a process each)",
+    )
+    parser.add_argument("--rss-of", type=int, help=argparse.SUPPRESS)  # the child of --peak-rss
     args = parser.parse_args()
+    if args.rss_of:
+        print(json.dumps(peak_rss(args.rss_of, args)))
+        return
+    if args.peak_rss:
+        peak_rss_table(args)
+        return
     args.repeats = args.repeats or [3 if n < 100000 else 1 for n in args.sizes]
     if len(args.repeats) not in (1, len(args.sizes)):
         parser.error(f"give one --repeats value or one per size ({len(args.sizes)})")

@@ -5,14 +5,17 @@ embedded as z1, z2 (unit rows) and S = z1 z2ᵀ, the pairs (i, j) whose S_ij lie
 are the edges of a graph, and reverse Cuthill–McKee (RCM) orders the items so that both ends of an
 edge land close together, hence mostly in one batch. Two orders, S taken in row blocks, never whole:
 
-- `published_permutation`: the paper's minimal code, index for index (threshold: the median of the
-  quantiles of S's 10-row chunks, diagonal included; directed edges);
+- `published_permutation`: the paper's minimal code, index for index (threshold: `statistics.median`
+  of the quantiles of S's 10-row chunks, diagonal included; directed edges), the RCM order of
+  `published_graph`; `graph_order` orders a graph with the trainer's controls (same-group edges
+  deleted, ties broken at random), `graph_diagnostics` says how many edges it has;
 - `gcbs_permutation`, the kit's variant: the exact quantile of the off-diagonal S_ij (a sampled
   lower bound, one pass keeping the candidates), undirected edges, nodes relabelled at random.
 `consecutive_batches` cuts an order into batches; `loss_gap` measures what an order achieves."""
 
 import contextlib
 import math
+import statistics
 from collections import deque
 from typing import Hashable, Sequence
 
@@ -63,11 +66,15 @@ def _block_elements(device: torch.device) -> int:
 
 def _blocks(u1: torch.Tensor, u2: torch.Tensor, keep_diagonal: bool = False, multiple: int = 1):
     """(first row, S[rows]) for consecutive blocks of S of a `multiple` of rows (bar the last),
-    float32 on the embeddings' device, the diagonal −inf unless kept."""
+    float32 on the embeddings' device, the diagonal −inf unless kept; each block is overwritten by
+    the next (copy what outlives it)."""
     n = len(u1)
     rows = max(multiple, _block_elements(u1.device) // n // multiple * multiple)
+    # one buffer for every block: blocks freed one by one would stay pinned in the C heap by the
+    # small arrays a pass keeps after each of them (5 GB at N = 40k instead of 0.5)
+    buffer = u1.new_empty(min(rows, n), n)
     for start in range(0, n, rows):
-        block = u1[start : start + rows] @ u2.T
+        block = torch.matmul(u1[start : start + rows], u2.T, out=buffer[: min(rows, n - start)])
         if not keep_diagonal:
             block.diagonal(start).fill_(-math.inf)
         yield start, block
@@ -141,14 +148,8 @@ def gcbs_permutation(z1, z2, quantile: float = 0.999, seed: int | None = None) -
     require(n >= 2, f"need at least 2 items for an off-diagonal similarity, got N = {n}")
     threshold, flat, values = _threshold_and_candidates(u1, u2, quantile)
     rows, cols = np.divmod(flat[values > np.float64(threshold)], n)
-    # node p of the relabelled graph is item relabel[p]
-    relabel = np.random.default_rng(seed).permutation(n)
-    label = np.argsort(relabel)
-    directed = sp.csr_matrix((np.ones(len(rows), bool), (label[rows], label[cols])), shape=(n, n))
-    graph = (directed + directed.T).tocsr()
-    graph.sort_indices()
-    order = relabel[reverse_cuthill_mckee(graph, symmetric_mode=True)]
-    return torch.from_numpy(order.astype(np.int64))
+    directed = sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
+    return graph_order(directed, relabel=np.random.default_rng(seed).permutation(n))
 
 
 def _chunk_quantiles(chunks: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -175,12 +176,13 @@ def _full_float32():
 
 
 @_full_float32()
-def published_permutation(z1, z2, quantile: float = 0.999) -> torch.Tensor:
-    """The published order, index for index: `reverse_cuthill_mckee` (default symmetric_mode) of the
-    csr graph of the S_ij, diagonal included, above `torch.tensor([torch.quantile(S[i : i + 10],
-    quantile) for i in range(0, N, 10)]).median()` (the lower middle value, as Tensor.median gives).
-    One pass over S: each block keeps its S_ij at or above its lowest chunk quantile, or is computed
-    again should that bound exceed the threshold (or keep too many)."""
+def published_graph(z1, z2, quantile: float = 0.999) -> sp.csr_matrix:
+    """The graph of the published order: the boolean csr matrix [N, N] of the S_ij, diagonal
+    included, above `statistics.median([torch.quantile(S[i : i + 10], quantile) for i in
+    range(0, N, 10)])`. The chunk quantiles are 0-d float32 tensors, so their median is the middle
+    one, or for an even count (a+b)/2 of the two middle ones in float32 (not the lower one, which
+    `Tensor.median` gives). One pass over S: each block keeps its S_ij at or above its lowest chunk
+    quantile, or is computed again should that bound exceed the threshold (or keep too many)."""
     require(0 <= quantile <= 1, f"quantile must lie in [0, 1], got {quantile}")
     u1, u2 = unit_rows(z1, z2)
     n = len(u1)
@@ -194,14 +196,48 @@ def published_permutation(z1, z2, quantile: float = 0.999) -> torch.Tensor:
         if len(values) > 4 * (1 - quantile) * block.numel() + 10 * n:
             flat, values, bound = None, None, math.inf
         kept.append((start, len(block), bound, flat, values))
-    threshold = np.float32(torch.cat(quantiles).median().item())
+    # the README's own median of 0-d float32 tensors (sorted first: the sort then scans them once)
+    median = statistics.median(torch.cat(quantiles).sort().values.cpu().unbind())
+    threshold = np.float32(median.item())
     for start, length, bound, flat, values in kept:
         if bound > threshold:
             flat, values = _at_least(u1[start : start + length] @ u2.T, threshold)
         edges.append(flat[values > threshold] + start * n)
     rows, cols = np.divmod(np.concatenate(edges), n)
-    graph = sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
-    return torch.from_numpy(reverse_cuthill_mckee(graph).astype(np.int64))
+    return sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
+
+
+def published_permutation(z1, z2, quantile: float = 0.999) -> torch.Tensor:
+    """The published order, index for index: `reverse_cuthill_mckee` (default symmetric_mode) of
+    `published_graph(z1, z2, quantile)`, a LongTensor permutation of N."""
+    return graph_order(published_graph(z1, z2, quantile))
+
+
+def graph_order(graph: sp.csr_matrix, groups=None, relabel=None) -> torch.Tensor:
+    """scipy's RCM order (default symmetric_mode) of `graph` [N, N]. With `groups` (one code per
+    item), the off-diagonal edges within a group are deleted first; with `relabel` (a permutation:
+    node p is item relabel[p]), RCM orders the relabelled graph, so that its ties (broken by node
+    index) fall at random rather than in the data's storage order; the order is of the items."""
+    rows, cols = graph.nonzero()
+    if groups is not None:
+        groups = _codes(groups)
+        apart = (groups[rows] != groups[cols]) | (rows == cols)
+        rows, cols = rows[apart], cols[apart]
+    relabel = np.arange(graph.shape[0]) if relabel is None else np.asarray(relabel)
+    label = np.argsort(relabel)
+    edges = (np.ones(len(rows), bool), (label[rows], label[cols]))
+    order = reverse_cuthill_mckee(sp.csr_matrix(edges, shape=graph.shape))
+    return torch.from_numpy(relabel[order].astype(np.int64))
+
+
+def graph_diagnostics(graph: sp.csr_matrix) -> dict[str, float]:
+    """`edges_per_item`, the off-diagonal edges (directed, as S_ij > threshold counts them) per
+    item, and `isolated_share`, the share of items with no off-diagonal edge either way."""
+    n = graph.shape[0]
+    rows, cols = graph.nonzero()
+    off = rows != cols
+    linked = np.union1d(rows[off], cols[off])
+    return {"edges_per_item": int(off.sum()) / n, "isolated_share": 1 - len(linked) / n}
 
 
 def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> list[list[int]]:
@@ -260,11 +296,16 @@ def consecutive_batches(order, batch_size: int, keys=None) -> torch.Tensor:
     return torch.tensor(_cut(order, batch_size, keys), dtype=torch.long)
 
 
+def _codes(groups: Sequence[Hashable]) -> np.ndarray:
+    """Each item's group as a number (0, 1, … in order of first appearance)."""
+    number = {group: i for i, group in enumerate(dict.fromkeys(groups))}
+    return np.array([number[group] for group in groups], dtype=np.int64)
+
+
 def same_group_pairs(batches: torch.Tensor, groups: Sequence[Hashable]) -> float:
     """The share of in-batch pairs (i ≠ j in one row of `batches` [S, B]) whose items share a group,
     `groups[k]` being item k's (a class, a video, a source module: a proxy for false negatives)."""
-    number = {group: i for i, group in enumerate(dict.fromkeys(groups))}
-    codes = torch.tensor([number[group] for group in groups])[batches]
+    codes = torch.from_numpy(_codes(groups))[batches]
     same = sum(int((row[:, None] == row[None, :]).sum()) - len(row) for row in codes)
     return same / (codes.shape[0] * codes.shape[1] * (codes.shape[1] - 1))
 

@@ -137,7 +137,11 @@ TableLine = namedtuple(
 )
 # the checkpoint of per-item outputs → the prefix of its rows' metrics
 CHECKPOINTS = {"best": "test_", "last": "last_test_"}
-DIAGNOSTICS = ("loss_gap", "same_group_pairs")
+# the per-epoch diagnostics, result rows `<name>@epoch<N>`; the table shows the first two so far
+DIAGNOSTICS = tuple(
+    "loss_gap same_group_pairs edges_per_item isolated_share dropped_again neighbours".split()
+)
+TABLED = DIAGNOSTICS[:2]
 
 
 def summarize(values: list[float]) -> Summary | None:
@@ -232,7 +236,7 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
             if differences and metric.startswith("test_"):
                 judged = judge(runs, boot, experiment, metric, arm, summaries, baseline, paper)
             measured = (delta, *interval(differences), *judged)
-            gaps = [first_epoch(groups, names[:1] + names[3:], name, arm) for name in DIAGNOSTICS]
+            gaps = [first_epoch(groups, names[:1] + names[3:], name, arm) for name in TABLED]
             lines.append(
                 TableLine(*names, *summaries, *measured, paper, *gaps, commit, differences)
             )
@@ -355,7 +359,7 @@ def to_csv(lines: list[TableLine]) -> str:
     writer = csv.writer(out)
     summaries = [f"{who}_{part}" for who in ("start", "random", "arm") for part in Summary._fields]
     names = list(TableLine._fields[:6])  # experiment metric arm model data profile
-    diagnostics = [f"{name}_{who}" for name in DIAGNOSTICS for who in ("random", "arm")]
+    diagnostics = [f"{name}_{who}" for name in TABLED for who in ("random", "arm")]
     tail = ["delta", "low", "high", "boot_low", "boot_high", "paper_delta", "gate", "verdict"]
     writer.writerow(names + summaries + tail + diagnostics + ["commit"])
     for line in lines:

@@ -65,6 +65,10 @@ class TrainConfig:
     learnable_scale: bool = False
     max_scale: float = 100.0
     gcbs_quantile: float = 0.999
+    gcbs_neighbours: float | None = None  # k: when set, q = 1 − k / N of the epoch
+    gcbs_ties: Literal["index", "random"] = "index"  # random: items relabelled before RCM
+    gcbs_prune_groups: bool = False  # same-group edges deleted from the graph before RCM
+    batch_order: Literal["planned", "shuffled"] = "planned"  # shuffled: the batches' order only
     mine_top_k: int = 30  # mining: candidates per query
     mine_skip: int = 3  # mining: top ranks skipped as likely false negatives
     embed_batch_size: int = 256
@@ -82,7 +86,7 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr"
-        positive = [*positive.split(), "clip_norm", "scale", "max_scale"]
+        positive = [*positive.split(), "clip_norm", "scale", "max_scale", "gcbs_neighbours"]
         wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
 
@@ -268,12 +272,20 @@ class Trainer:
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
             self.group_of = torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
             n = int(self.group_of.max()) + 1
+        named = self.train_set.groups or self.train_set.duplicate_keys
+        for key in ("mask_same_group", "gcbs_prune_groups"):
+            require(
+                named is not None or not getattr(config, key),
+                f"{key}: {config.experiment} names no groups",
+            )
+        require(
+            (config.gcbs_neighbours or 0) <= n,
+            f"gcbs_neighbours must be at most N = {n}, the items of an epoch",
+        )
         if config.mask_same_group:
-            groups = self.train_set.groups or self.train_set.duplicate_keys
-            require(groups is not None, f"mask_same_group: {config.experiment} names no groups")
             queue = f"mask_same_group: {config.experiment}'s negatives are a queue (ungrouped)"
             require(self.experiment.in_batch_negatives, queue)
-            self.mask_groups = torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
+            self.mask_groups = torch.from_numpy(np.unique(named, return_inverse=True)[1].ravel())
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
@@ -373,10 +385,7 @@ class Trainer:
         rank 0 alone gathers them, plans, logs cost and diagnostics; every rank gets the plan."""
         config = self.config
         start = time.perf_counter()
-        items = torch.arange(self.train_set.size)
-        if config.one_per_group:
-            draw = seeding.generator(config.seed, self.epoch, "one-per-group")
-            items = seeding.one_per_group(self.group_of, draw)
+        items = self._items(self.epoch)
         z1 = z2 = None
         if config.sampler != "random" or config.log_loss_gap:  # one embedding serves both
             share = items.tensor_split(self.world_size)[self.rank]
@@ -386,7 +395,7 @@ class Trainer:
         embedded = time.perf_counter()
         plan = [None]
         if self.main:
-            positions = self._sample(z1, z2, items)  # rows of z1, z2
+            positions, diagnostics = self._sample(z1, z2, items)  # rows of z1, z2
             plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
@@ -397,34 +406,66 @@ class Trainer:
                 record["loss_gap"] = gcbs.loss_gap(
                     z1[rows], z2[rows], torch.arange(len(rows)), config.batch_size, tau
                 )
-            groups = self.train_set.groups or self.train_set.duplicate_keys
+            groups = self._groups(items)
             if groups is not None:
-                groups = [groups[i] for i in items.tolist()]
                 record["same_group_pairs"] = gcbs.same_group_pairs(positions["batches"], groups)
-            self.run.log(record)
+            dropped = set(items.tolist()) - set(plan[0]["batches"].view(-1).tolist())
+            if self.plan is not None and dropped:  # the last epoch's plan: what it left out
+                before = set(self._items(self.epoch - 1).tolist())
+                before -= set(self.plan["batches"].view(-1).tolist())
+                diagnostics["dropped_again"] = len(dropped & before) / len(dropped)
+            self.run.log({**record, **diagnostics})
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
         return plan[0]
 
-    def _sample(self, z1, z2, items: torch.Tensor) -> dict:
+    def _items(self, epoch: int) -> torch.Tensor:
+        """The items of `epoch`: all of the training set, or one per group drawn afresh."""
+        if not self.config.one_per_group:
+            return torch.arange(self.train_set.size)
+        draw = seeding.generator(self.config.seed, epoch, "one-per-group")
+        return seeding.one_per_group(self.group_of, draw)
+
+    def _groups(self, items: torch.Tensor) -> list | None:
+        """The group of each of `items` (`TrainSet.groups`, else its duplicate keys), or None."""
+        groups = self.train_set.groups or self.train_set.duplicate_keys
+        return None if groups is None else [groups[i] for i in items.tolist()]
+
+    def _sample(self, z1, z2, items: torch.Tensor) -> tuple[dict, dict]:
         """Batches of `items` (z1, z2: theirs, or None) and any mined negatives, as positions in
-        `items`: the published GCBS order or a seeded random one, read into batches alike."""
+        `items`: the published GCBS order (with its controls) or a seeded random one, read into
+        batches alike, their order shuffled with `batch_order`; and the GCBS graph's diagnostics."""
         config = self.config
         keys = self.train_set.duplicate_keys
         if keys is not None and len(items) < self.train_set.size:  # a sampled epoch
             keys = [keys[i] for i in items.tolist()]
+        diagnostics = {}
         if config.sampler == "gcbs":
-            order = gcbs.published_permutation(z1, z2, config.gcbs_quantile)
+            quantile = config.gcbs_quantile
+            if config.gcbs_neighbours is not None:
+                quantile = 1 - config.gcbs_neighbours / len(items)
+            graph = gcbs.published_graph(z1, z2, quantile)
+            diagnostics = {"neighbours": (1 - quantile) * len(items)}
+            diagnostics.update(gcbs.graph_diagnostics(graph))
+            relabel = None
+            if config.gcbs_ties == "random":  # RCM's ties then fall at random, not by storage
+                ties = seeding.generator(config.seed, self.epoch, "gcbs-ties")
+                relabel = torch.randperm(len(items), generator=ties)
+            pruned = self._groups(items) if config.gcbs_prune_groups else None
+            order = gcbs.graph_order(graph, pruned, relabel)
         else:
             shuffle = seeding.generator(config.seed, self.epoch, "shuffle")
             order = torch.randperm(len(items), generator=shuffle)
         batches = gcbs.consecutive_batches(order, config.batch_size, keys)
+        if config.batch_order == "shuffled":
+            shuffle = seeding.generator(config.seed, self.epoch, "batch-order")
+            batches = batches[torch.randperm(len(batches), generator=shuffle)]
         if config.sampler != "hard_negatives":
-            return {"batches": batches, "negatives": None}
+            return {"batches": batches, "negatives": None}, diagnostics
         rng = seeding.generator(config.seed, self.epoch, "mining")
         top = dict(top_k=config.mine_top_k, skip=config.mine_skip)
         negatives = mining.mine_hard_negatives(z1, z2, batches, keys=keys, generator=rng, **top)
-        return {"batches": batches, "negatives": negatives}
+        return {"batches": batches, "negatives": negatives}, diagnostics
 
     def _collate(self, indices: list[int], negatives: list[int] | None) -> experiments.Batch:
         """The experiment's batch; with `mask_same_group`, `extra["groups"]` holds the group id of

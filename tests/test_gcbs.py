@@ -1,12 +1,14 @@
 """Specification of GCBS: the published order, the kit's exact similarity threshold and RCM
 permutation, the epoch's batches, the loss gap."""
 
+import statistics
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_flow, reverse_cuthill_mckee
+from scipy.sparse.csgraph import connected_components, maximum_flow, reverse_cuthill_mckee
 
 from gcbs_lib import gcbs
 from gcbs_lib.gcbs import (
@@ -78,11 +80,12 @@ DATA_SETS = {  # name: (z1, z2, quantile)
 
 def literal_published(z1, z2, quantile):
     """The published minimal code written out: S whole, torch.quantile of each 10-row chunk in a
-    Python loop, their median, the csr matrix of S above it, scipy's RCM."""
+    Python loop (0-d float32 tensors), statistics.median of that list, the csr matrix of S above
+    it, scipy's RCM."""
     x, y = (F.normalize(z.float(), dim=1) for z in (z1, z2))
     similarity = x @ y.T
     quantiles = [torch.quantile(similarity[i : i + 10], quantile) for i in range(0, len(x), 10)]
-    threshold = torch.tensor(quantiles).median()
+    threshold = statistics.median(quantiles)
     order = reverse_cuthill_mckee(csr_matrix((similarity > threshold).numpy()))
     return torch.from_numpy(order.astype(np.int64))
 
@@ -136,6 +139,22 @@ def test_published_permutation_equals_the_published_code_index_for_index(name):
     assert torch.equal(order.sort().values, torch.arange(len(z1)))
 
 
+@pytest.mark.parametrize("n, seed", [(1000, 1), (2000, 0), (990, 1), (1010, 1)])
+def test_the_threshold_is_statistics_median_of_the_chunk_quantiles_at_even_and_odd_counts(n, seed):
+    """100 or 200 chunks: the mean of the two middle quantiles, which moves edges here (the lower
+    middle one, Tensor.median's, would not give the published graph); 99 or 101: the middle one."""
+    z1, z2 = pairs(n, 16, clusters=n // 50, seed=seed)
+    x, y = (F.normalize(z, dim=1) for z in (z1, z2))
+    similarity = x @ y.T
+    quantiles = [torch.quantile(similarity[i : i + 10], 0.999) for i in range(0, n, 10)]
+    median, lower = statistics.median(quantiles), torch.stack(quantiles).median()
+    graph = gcbs.published_graph(z1, z2, 0.999).toarray()
+    assert np.array_equal(graph, (similarity > median).numpy())
+    even = len(quantiles) % 2 == 0
+    assert np.array_equal(graph, (similarity > lower).numpy()) != even
+    assert torch.equal(published_permutation(z1, z2, 0.999), literal_published(z1, z2, 0.999))
+
+
 @pytest.mark.parametrize(
     "name", ["planted clusters", "N not a multiple of 10", "ties and negatives"]
 )
@@ -177,6 +196,79 @@ def test_chunk_quantiles_equal_torch_quantile_bitwise(m, quantile):
 def test_published_permutation_refuses_a_quantile_outside_the_unit_interval(quantile):
     with pytest.raises(ValueError, match="quantile must lie in"):
         published_permutation(torch.randn(10, 4), torch.randn(10, 4), quantile)
+
+
+# ------------------------------------------------------------------ the graph and its controls
+
+
+def graph_of(edges, n):
+    """A boolean csr graph [n, n] holding the directed `edges` (i, j)."""
+    rows, cols = zip(*edges)
+    return csr_matrix((np.ones(len(edges), bool), (rows, cols)), shape=(n, n))
+
+
+def rcm_input(graph, monkeypatch, **controls):
+    """The graph `graph_order` hands to scipy's RCM, and the order it returns."""
+    seen = []
+
+    def kept(matrix):
+        seen.append(matrix)
+        return reverse_cuthill_mckee(matrix)
+
+    monkeypatch.setattr(gcbs, "reverse_cuthill_mckee", kept)
+    order = gcbs.graph_order(graph, **controls)
+    return seen[0], order
+
+
+def test_the_diagnostics_count_off_diagonal_edges_per_item_and_items_without_one():
+    # 0 → 1, 1 → 0 and 2 → 1: three edges; 3 and 4 only have self-loops
+    graph = graph_of([(0, 1), (1, 0), (2, 1), (0, 0), (3, 3), (4, 4)], 5)
+    assert gcbs.graph_diagnostics(graph) == {"edges_per_item": 3 / 5, "isolated_share": 2 / 5}
+
+
+def test_pruned_graphs_hold_no_same_group_edge_and_every_other_edge(monkeypatch):
+    z1, z2, quantile = PUBLISHED_SETS["planted clusters"]
+    graph = gcbs.published_graph(z1, z2, quantile)
+    groups = [f"file {i // 7}" for i in range(len(z1))]  # stored group by group
+    pruned, _ = rcm_input(graph, monkeypatch, groups=groups)
+    rows, cols = graph.nonzero()
+    same = np.array([groups[i] == groups[j] and i != j for i, j in zip(rows, cols)])
+    assert same.sum() > 100  # the planted clusters hold near-copies stored side by side
+    kept = set(zip(*pruned.nonzero()))
+    assert kept == set(zip(rows[~same], cols[~same]))
+
+
+def test_random_ties_relabel_the_graph_and_keep_each_component_together(monkeypatch):
+    z1, z2, quantile = PUBLISHED_SETS["isotropic"]
+    graph = gcbs.published_graph(z1, z2, quantile)
+    relabel = np.random.default_rng(0).permutation(len(z1))
+    relabelled, order = rcm_input(graph, monkeypatch, relabel=relabel)
+    # node p is item relabel[p]: the same edges under new names
+    assert set(zip(*relabel[np.array(relabelled.nonzero())])) == set(zip(*graph.nonzero()))
+    published = gcbs.graph_order(graph)
+    assert not torch.equal(order, published) and torch.equal(
+        order.sort().values, published.sort().values
+    )
+    _, component = connected_components(graph, connection="weak")
+    for ordered in (order, published):
+        runs = component[ordered.numpy()]
+        assert (np.diff(runs) != 0).sum() == component.max()  # each component in one run
+
+
+def test_random_ties_leave_the_order_of_a_graph_without_ties_unchanged():
+    """RCM breaks ties only between nodes of equal degree. In this graph every degree differs
+    (scipy counts a self-loop twice: 1, 2, 4, 3, 6), so any relabelling gives the same order; with
+    two isolated items added (a tie), relabellings give other orders."""
+    edges = [(4, 0), (4, 1), (4, 2), (4, 3), (3, 1), (3, 2), (2, 2), (4, 4)]
+    untied = graph_of(edges + [(j, i) for i, j in edges], 5)
+    tied = graph_of(edges + [(j, i) for i, j in edges], 7)
+    orders = {name: set() for name in ("untied", "tied")}
+    for seed in range(20):
+        for name, graph in (("untied", untied), ("tied", tied)):
+            relabel = np.random.default_rng(seed).permutation(graph.shape[0])
+            orders[name].add(tuple(gcbs.graph_order(graph, relabel=relabel).tolist()))
+    assert orders["untied"] == {tuple(gcbs.graph_order(untied).tolist())}
+    assert len(orders["tied"]) > 1
 
 
 # ------------------------------------------------------------------------- threshold and order

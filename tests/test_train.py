@@ -160,7 +160,7 @@ def test_the_paper_profiles_train_in_their_recipes_precision_and_the_cpu_ones_in
         (
             {"learning_rate": "1e-3"},
             KeyError,
-            "unknown config key 'learning_rate'; training keys: arm, batch_size",
+            "unknown config key 'learning_rate'; training keys: arm, batch_order, batch_size",
         ),
         ({"bf16": "true"}, KeyError, "unknown config key 'bf16'"),
         ({"precision": "fp8"}, ValueError, r"precision must be Literal\['fp32', 'bf16', 'fp16'\]"),
@@ -247,6 +247,22 @@ def test_print_config_prints_the_resolved_settings_as_yaml_and_loads_nothing(tmp
     assert "the following arguments are required: --output-dir" in refused(capsys, arguments)
 
 
+def test_print_config_shows_the_gcbs_regime_and_controls_which_default_to_the_published_order(
+    capsys,
+):
+    keys = ["gcbs_quantile", "gcbs_neighbours", "gcbs_ties", "gcbs_prune_groups", "batch_order"]
+    for overrides, expected in (
+        ([], [0.999, None, "index", False, "planned"]),
+        (
+            ["--set=gcbs_neighbours=20", "--set=gcbs_ties=random"],
+            [0.999, 20, "random", False, "planned"],
+        ),
+    ):
+        main(["--experiment", "codesearch", "--print-config", *overrides])
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert [printed[key] for key in keys] == expected
+
+
 def refused(capsys, arguments) -> str:
     """What `main(arguments)` printed to stderr, having exited with status 2 and no traceback."""
     with pytest.raises(SystemExit) as exit:
@@ -322,7 +338,7 @@ def test_every_arm_reads_its_order_into_batches_alike(tmp_path, data_root, sampl
     keys = [i % (n // 2) for i in range(n)]  # every item has one duplicate
     trainer.train_set = trainer.train_set._replace(duplicate_keys=keys)
     z1, z2 = torch.randn(2, n, 8, generator=torch.Generator().manual_seed(0))
-    plan = trainer._sample(z1, z2, torch.arange(n))
+    plan, _ = trainer._sample(z1, z2, torch.arange(n))
     # gcbs: the published order, read sequentially (not shuffled); the others: the run's shuffle
     order = torch.randperm(n, generator=generator(trainer.config.seed, 0, "shuffle"))
     if sampler == "gcbs":
@@ -331,6 +347,67 @@ def test_every_arm_reads_its_order_into_batches_alike(tmp_path, data_root, sampl
     assert plan["batches"].shape == (n // b, b)  # the short last batch dropped
     assert all(len({keys[i] for i in batch}) == b for batch in plan["batches"].tolist())
     assert (plan["negatives"] is not None) == (sampler == "hard_negatives")
+
+
+def test_shuffled_batch_order_keeps_every_planned_batch_and_changes_only_their_order(
+    tmp_path, data_root
+):
+    z1, z2 = torch.randn(2, 192, 8, generator=torch.Generator().manual_seed(0))
+    plans = {}
+    for order in ("planned", "shuffled"):
+        config = load_config("codesearch", "ci", settings(data_root, sampler="gcbs"))
+        config.batch_order = order
+        plans[order] = Trainer(config, tmp_path)._sample(z1, z2, torch.arange(192))[0]["batches"]
+    planned, shuffled = plans["planned"].tolist(), plans["shuffled"].tolist()
+    assert planned != shuffled and sorted(planned) == sorted(shuffled)
+
+
+def test_more_gcbs_neighbours_than_items_are_refused_naming_n(tmp_path, data_root):
+    config = load_config("codesearch", "ci", settings(data_root, gcbs_neighbours=193))
+    with pytest.raises(ValueError, match="gcbs_neighbours must be at most N = 192"):
+        Trainer(config, tmp_path)
+
+
+def test_gcbs_arms_log_their_graph_and_every_arm_what_it_drops_again_as_result_rows(
+    tmp_path, data_root, monkeypatch
+):
+    """192 items in batches of 20: 12 left out each epoch. `gcbs_neighbours` k = 4 sets q = 1 −
+    k/N; the controls (random ties, pruned groups, shuffled batches) run through a whole run."""
+    quantiles, planned = [], []
+    graph, sample = gcbs_lib.gcbs.published_graph, Trainer._sample
+
+    def recorded_graph(z1, z2, quantile):
+        quantiles.append(quantile)
+        return graph(z1, z2, quantile)
+
+    def recorded_sample(self, z1, z2, items):
+        plan, diagnostics = sample(self, z1, z2, items)
+        planned.append(set(range(192)) - set(plan["batches"].view(-1).tolist()))
+        return plan, diagnostics
+
+    monkeypatch.setattr(gcbs_lib.gcbs, "published_graph", recorded_graph)
+    monkeypatch.setattr(Trainer, "_sample", recorded_sample)
+    controls = dict(gcbs_ties="random", gcbs_prune_groups=True, batch_order="shuffled")
+    names = {}
+    for sampler in ("random", "gcbs"):
+        planned.clear()
+        overrides = dict(sampler=sampler, batch_size=20, max_steps=10, gcbs_neighbours=4)
+        config = load_config("codesearch", "ci", settings(data_root, **overrides, **controls))
+        epochs = train(config, tmp_path / sampler)["epochs"]
+        rows = json.loads((tmp_path / sampler / "results.json").read_text())
+        names[sampler] = {r["metric"] for r in rows if "@epoch" in r["metric"]}
+        dropped, again = planned  # the items each epoch left out
+        assert len(dropped) == len(again) == 12
+        assert epochs[1]["dropped_again"] == len(dropped & again) / 12
+    assert quantiles == [1 - 4 / 192] * 2
+    assert [e["neighbours"] for e in epochs] == pytest.approx([4, 4])
+    diagnostics = ["loss_gap", "same_group_pairs"]
+    assert names["random"] == {
+        *(f"{d}@epoch{e}" for d in diagnostics for e in (0, 1)),
+        "dropped_again@epoch1",
+    }
+    graphs = ["edges_per_item", "isolated_share", "neighbours"]
+    assert names["gcbs"] == names["random"] | {f"{d}@epoch{e}" for d in graphs for e in (0, 1)}
 
 
 @pytest.mark.parametrize("sampler", ["random", "gcbs"])
