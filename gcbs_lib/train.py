@@ -13,7 +13,6 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -29,12 +28,13 @@ from transformers import get_scheduler
 from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, results, seeding
 from gcbs_lib.check import as_type, require
 from gcbs_lib.data import write_atomic
-from gcbs_lib.launcher import COLLECTIVE_TIMEOUT
+from gcbs_lib.launcher import collective_timeout
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 STATE = ("step", "epoch", "position", "plan", "best")  # where a run is, beside its tensors
 RESUMABLE = set(
-    "checkpoint_every eval_every progress device sync_check_every sync_tolerance".split()
+    "checkpoint_every eval_every progress device sync_check_every sync_tolerance "
+    "collective_timeout".split()
 )
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,12 +74,15 @@ class TrainConfig:
     checkpoint_every: int = 100
     sync_check_every: int = 0  # DDP: compare parameters and gradients across ranks every N steps
     sync_tolerance: float = 0.0  # the largest difference between ranks the sync check accepts
+    # DDP: seconds a rank waits for the others before the job fails (None: launcher's
+    # collective_timeout, $GCBS_COLLECTIVE_TIMEOUT or 1800)
+    collective_timeout: float | None = None
     progress: bool = True
     options: Any = None  # the experiment's Options (filled by `load_config`)
 
     def __post_init__(self):
         positive = "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr"
-        positive = [*positive.split(), "clip_norm", "scale", "max_scale"]
+        positive = [*positive.split(), "clip_norm", "scale", "max_scale", "collective_timeout"]
         wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
 
@@ -574,10 +577,8 @@ def main(argv: list[str] | None = None) -> None:
             return
         require(arguments.output_dir, "the following arguments are required: --output-dir")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
-            dist.init_process_group(
-                "nccl" if config.device == "cuda" else "gloo",
-                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT),
-            )
+            timeout = collective_timeout(config.collective_timeout)
+            dist.init_process_group("nccl" if config.device == "cuda" else "gloo", timeout=timeout)
         trainer = Trainer(config, arguments.output_dir)
     except (KeyError, ValueError, OSError) as error:
         parser.error(error.args[0] if isinstance(error, KeyError) else str(error))

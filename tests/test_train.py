@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -175,6 +176,7 @@ def test_the_paper_profiles_train_in_their_recipes_precision_and_the_cpu_ones_in
         ({"learnable_scale": "maybe"}, ValueError, "learnable_scale must be bool"),
         ({"batch_size": "0", "lr": "-1"}, ValueError, "batch_size, lr must be positive"),
         ({"clip_norm": "-1", "scale": "0"}, ValueError, "clip_norm, scale must be positive"),
+        ({"collective_timeout": "0"}, ValueError, "collective_timeout must be positive"),
     ],
 )
 def test_unknown_keys_and_ill_typed_values_are_refused(overrides, error, match):
@@ -222,6 +224,50 @@ def test_command_line_errors_exit_2_with_one_message_and_no_traceback(
         main([*arguments, "--output-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith("usage:") and "error: " in err and message in err
+    assert not any(tmp_path.iterdir())
+
+
+class Joined(Exception):
+    """Raised in place of joining a process group."""
+
+
+@pytest.mark.parametrize(
+    "key, environment, seconds",
+    [(None, None, 1800), (None, "90", 90), ("7", "90", 7), ("7", "ten", 7)],
+)
+def test_under_torchrun_the_ranks_wait_the_config_keys_timeout_else_the_environments(
+    tmp_path, monkeypatch, key, environment, seconds
+):
+    """`collective_timeout` (a config key), else GCBS_COLLECTIVE_TIMEOUT, else 30 minutes: how
+    long each rank waits in a collective, set where torchrun's rank joins its process group."""
+    joined = []
+
+    def join(backend, timeout):
+        joined.append((backend, timeout))
+        raise Joined
+
+    monkeypatch.setattr(dist, "init_process_group", join)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("GCBS_COLLECTIVE_TIMEOUT", raising=False)
+    if environment is not None:
+        monkeypatch.setenv("GCBS_COLLECTIVE_TIMEOUT", environment)
+    overrides = [] if key is None else ["--set", f"collective_timeout={key}"]
+    with pytest.raises(Joined):
+        main(["--experiment", "codesearch", "--output-dir", str(tmp_path), *overrides])
+    assert joined == [("gloo", timedelta(seconds=seconds))]
+
+
+def test_under_torchrun_a_timeout_that_is_not_seconds_exits_2_naming_it(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("GCBS_COLLECTIVE_TIMEOUT", "ten")
+    arguments = ["--experiment", "codesearch", "--output-dir", str(tmp_path)]
+    assert "GCBS_COLLECTIVE_TIMEOUT must be seconds, got 'ten'" in refused(capsys, arguments)
+    monkeypatch.delenv("GCBS_COLLECTIVE_TIMEOUT")
+    overrides = ["--set", "collective_timeout=.inf"]
+    message = "a collective timeout must be positive seconds, got inf"
+    assert message in refused(capsys, [*arguments, *overrides])
     assert not any(tmp_path.iterdir())
 
 
