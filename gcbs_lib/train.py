@@ -9,6 +9,7 @@ import argparse
 import gc
 import hashlib
 import json
+import math
 import os
 import socket
 import time
@@ -443,11 +444,13 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.parameters, config.clip_norm or float("inf")
         )
-        judged = {"the loss": global_loss, "the gradient norm": grad_norm}
+        # the step's one read of the device (the scaler's `step` reads once more): logged, checked
+        loss_value, norm = torch.stack([global_loss, grad_norm.double()]).tolist()
+        judged = {"the loss": loss_value, "the gradient norm": norm}
         if self.scaler.is_enabled():  # fp16: an overflow skips its step (the scaler's `step`)
             del judged["the gradient norm"]
         for what, value in judged.items():  # nothing changed yet: the checkpoint is still good
-            if not torch.isfinite(value):
+            if not math.isfinite(value):
                 raise TrainingDiverged(
                     f"{what} is not finite at step {self.step + 1} (scale {self._scale():g}, lr "
                     f"{config.lr}): too low a temperature, too high a learning rate, NaN inputs?"
@@ -455,7 +458,7 @@ class Trainer:
         # the sync check comes after the finiteness checks: inf − inf would read as out of sync
         checked = {}
         every = config.sync_check_every
-        if self.world_size > 1 and every and (self.step + 1) % every == 0 and grad_norm.isfinite():
+        if self.world_size > 1 and every and (self.step + 1) % every == 0 and math.isfinite(norm):
             grads = [p.grad for p in self.parameters if p.grad is not None]
             difference = distributed.rank_difference([*self.parameters, *grads])
             checked = {"rank_difference": difference}
@@ -468,12 +471,12 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         torch.no_grad()(self.experiment.after_step)(self.model)  # e.g. a momentum encoder's update
-        if grad_norm.isfinite():  # fp16: a skipped step keeps its learning rate (as HF's Trainer)
+        if math.isfinite(norm):  # fp16: a skipped step keeps its learning rate (as HF's Trainer)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if config.learnable_scale:
             self.scale.clamp_()
-        record = dict(loss=float(global_loss), lr=lr, grad_norm=float(grad_norm))
+        record = dict(loss=loss_value, lr=lr, grad_norm=norm)
         return {**record, "scale": self._scale(), "seconds": time.perf_counter() - start, **checked}
 
     def _scale(self) -> float:

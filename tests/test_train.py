@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+import gcbs_lib.check
 import gcbs_lib.train
 from gcbs_lib import distributed
 from gcbs_lib.data import write_atomic
@@ -595,6 +596,61 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good
     assert last["step"] == 4
     assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
     assert max(r["step"] for r in records(tmp_path)) == 4
+
+
+# ---- host reads
+# --------------------------------------------------------------------------------------------
+
+# a tensor's value read into Python: on a GPU, the host waits for the device
+READS = ("item", "tolist", "numpy", "__array__", "__bool__", "__float__", "__int__", "__index__")
+
+
+def reading(method, reads: list):
+    """`method`, recording the file of each call made by the kit's code (`require(tensor)`'s: the
+    file that called `require`)."""
+
+    def read(tensor, *args, **kwargs):
+        frame = sys._getframe(1)
+        if frame.f_code.co_filename == gcbs_lib.check.__file__:
+            frame = frame.f_back
+        caller = Path(frame.f_code.co_filename)
+        if caller.is_relative_to(REPO / "gcbs_lib"):
+            reads.append(caller.name)
+        return method(tensor, *args, **kwargs)
+
+    return read
+
+
+@pytest.mark.parametrize(
+    "chunk_size, reads",
+    [("none", ["train.py"]), (4, ["gradcache.py", "train.py"])],
+    ids=["plain", "gradcache"],
+)
+def test_a_training_step_reads_the_device_once_and_gradcache_once_for_all_its_chunks(
+    tmp_path, data_root, monkeypatch, chunk_size, reads
+):
+    """A stand-in for a GPU's host reads: the kit's own code reading a tensor's value into Python
+    during one step. The step reads the loss and the gradient norm together (logged and checked
+    for finiteness on the host); `cached_loss` checks its 8 chunks' embeddings in one read; the
+    loss `info_nce` reads none (torch's GradScaler reads once more under fp16). The ci's tiny
+    encoder checks its token ids on each forward, a read each (2 plain, 15 through GradCache: 8
+    chunks, 7 replays), which the paper's Hugging Face encoders do not. Without a GPU, ops whose
+    output size depends on values (`nonzero`, `unique`) would go unseen here."""
+    config = load_config(
+        "codesearch", "ci", settings(data_root, chunk_size=chunk_size, log_loss_gap="false")
+    )
+    trainer = Trainer(config, tmp_path)
+    batch = trainer.experiment.collate(list(range(16)))
+    seen = []
+    with monkeypatch.context() as patch:
+        for name in READS:
+            method = getattr(torch.Tensor, name)
+            patch.setattr(torch.Tensor, name, reading(method, seen))
+        record = trainer._train_step(batch)
+    encoder = [file for file in seen if file == "models.py"]
+    assert [file for file in seen if file != "models.py"] == reads
+    assert len(encoder) == (2 if chunk_size == "none" else 15)
+    assert record["loss"] > 0 and record["grad_norm"] > 0
 
 
 # ---- data parallel
