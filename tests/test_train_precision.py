@@ -6,6 +6,8 @@ runs the same code paths as CUDA's (torch 2.13 supports float16 autocast on the 
 gradients an fp16 step takes are fp32's, to fp16's rounding."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +18,10 @@ from gcbs_lib.check import relative_error
 from gcbs_lib.experiments.codesearch import CodeSearch
 from gcbs_lib.train import Trainer, TrainingDiverged, load_checkpoint, load_config, train
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from gpu_check import FP16_GRADIENTS, taken_gradients  # noqa: E402  (tools/ is not a package)
+
 ORIGINAL_LOSS = CodeSearch.loss
-# ‖fp16 − fp32‖ / ‖fp32‖ of a step's gradients, measured on 2 CPU cores: 1.0e-3 to 1.2e-3 in the
-# test below, up to 1.9e-3 on 4 other batches without dropout. A scaler factor left in measures ≈ 1:
-# clipping before `unscale_` 0.99997, GradCache's replayed chunks scaled by 1/1024 under fp16 1.03
-FP16_GRADIENTS = 5e-3
 
 
 class Stopped(Exception):
@@ -66,26 +67,6 @@ def ci(data_root, **overrides):
     return load_config("codesearch", "ci", settings(data_root, **{**values, **overrides}))
 
 
-def taken_gradients(config, folder) -> tuple[torch.Tensor, float]:
-    """The gradients (every parameter's, one vector) of a new trainer's first optimizer step on the
-    first 16 pairs, as the optimizer takes them, and the step's logged gradient norm. A step the
-    fp16 scaler skips changes nothing, so the same batch is retried at the halved scale."""
-    trainer = Trainer(config, folder)
-    taken = []
-
-    def record(optimizer, args, kwargs):
-        taken.append(torch.cat([p.grad.flatten() for p in trainer.parameters]))
-
-    trainer.optimizer.register_step_pre_hook(record)
-    batch = trainer.experiment.collate(list(range(16)))
-    for _ in range(8):  # the scale starts at 2^16: the ci encoder overflows there once
-        torch.manual_seed(0)
-        grad_norm = trainer._train_step(batch)["grad_norm"]
-        if taken:
-            return taken[0], grad_norm
-    raise AssertionError("the fp16 scaler skipped 8 steps in a row")
-
-
 @pytest.mark.parametrize("clip_norm", ["none", 0.01], ids=["unclipped", "clipped"])
 @pytest.mark.parametrize("chunk_size", ["none", 4], ids=["plain", "gradcache"])
 def test_an_fp16_step_takes_the_fp32_gradients_unscaled_and_clipped_to_fp16_rounding(
@@ -94,7 +75,9 @@ def test_an_fp16_step_takes_the_fp32_gradients_unscaled_and_clipped_to_fp16_roun
     """Autocast float16 with its GradScaler, against the same step in fp32 (same weights, batch and
     dropout masks): the gradients the optimizer takes and the logged norm (the unclipped one) agree
     within FP16_GRADIENTS, through a plain backward and through GradCache's replays. Clipped to
-    0.01 (the norm is ≈ 5), a step that clipped the scaled gradients would take 2^-15 of them."""
+    0.01 (the norm is ≈ 5), a step that clipped the scaled gradients would take 2^-15 of them.
+    Measured: 1.0e-3 to 1.2e-3 here; a scaler factor left in ≈ 1 (clipping before `unscale_`
+    0.99997, GradCache's replayed chunks scaled by 1/1024 under fp16 1.03)."""
     taken = {
         precision: taken_gradients(
             ci(data_root, precision=precision, chunk_size=chunk_size, clip_norm=clip_norm),
