@@ -4,7 +4,7 @@ variant, on the `cpu` profile of every experiment.
 
 The epoch is planned by the trainer itself: `Trainer(config, tmpdir)` loads the data and builds
 the start model (seeded by the trainer's `init` stream of the run seed), and its `_plan_epoch`
-embeds the epoch's items (all, or `plan_sample` of them drawn as the trainer draws them) with
+embeds the epoch's items (all, or one per group drawn as the trainer draws them) with
 `pair_embeddings` in eval mode. Its `_sample` is wrapped to keep those embeddings, and each order is
 then read into batches as `_sample` reads them (`gcbs.consecutive_batches` with the duplicate keys
 of the planned items):
@@ -146,7 +146,7 @@ def report(
         f"Command: `{command}`",
         "",
         "Epoch 0 of each comparison planned by the trainer from the untrained start model (its "
-        "`_plan_epoch`: the epoch's items, all or `plan_sample` of them, embedded by "
+        "`_plan_epoch`: the epoch's items, all or one per group, embedded by "
         "`pair_embeddings` in eval mode), then read into the batches of three orders as the "
         "trainer's `_sample` reads them (`consecutive_batches` with the duplicate keys): the "
         'trainer\'s seeded random order (stream "shuffle" of epoch 0), the published GCBS order '

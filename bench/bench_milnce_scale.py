@@ -51,15 +51,15 @@ def experiment(setting: dict) -> MilNce:
 
 def one_start(setting: dict) -> None:
     """Open the built data, build the model, collate a training batch, score dev, or with
-    `plan_sample` plan a GCBS epoch as rank 0 does (embed that many clips, the published order):
-    what the probe measures."""
+    `plan_clips` plan a GCBS epoch of that many clips as rank 0 does (embed them, the published
+    order): what the probe measures."""
     milnce = experiment(setting)
     size = milnce.load_data().size
     model = milnce.build_model().eval()
     with torch.no_grad():
-        if setting.get("plan_sample"):
+        if setting.get("plan_clips"):
             items = torch.randperm(size, generator=torch.Generator().manual_seed(0))
-            z1, z2 = milnce.pair_embeddings(model, items[: setting["plan_sample"]])
+            z1, z2 = milnce.pair_embeddings(model, items[: setting["plan_clips"]])
             published_permutation(z1, z2)
             return
         milnce.collate(
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--bag-size", type=int, default=4, help="captions K per bag")
     parser.add_argument(
-        "--plan-sample", type=int, default=2000, help="clips a GCBS epoch plans (plan_sample)"
+        "--plan-clips", type=int, default=2000, help="clips of the GCBS epoch planned"
     )
     parser.add_argument(
         "--batch", type=int, default=256, help="clips in the collated training batch"
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.videos, args.eval_clips, args.feature_dim, args.batch = [20, 40], 50, 16, 32
-        args.plan_sample = 100
+        args.plan_clips = 100
     started, machine = datetime.now(timezone.utc), machine_summary()
     lines = [
         "## MIL-NCE memory against the number of videos (`bench/bench_milnce_scale.py`)",
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
         "| videos | training clips | dev clips | bag arrays MiB | build s | eval_clips "
         f"{args.eval_clips:,}: resident "
         "MiB | anonymous MiB | every dev clip: resident MiB | anonymous MiB | GCBS plan of "
-        f"{args.plan_sample:,} clips: anonymous MiB |",
+        f"{args.plan_clips:,} clips: anonymous MiB |",
         "|---:" * 10 + "|",
     ]
     peaks = []
@@ -151,7 +151,7 @@ def main(argv=None) -> None:
                 for m in (memory_method("cpu"), "sampled_anonymous")
             ]
             plan = {**setting, "eval_clips": None, "method": "sampled_anonymous"}
-            plan["plan_sample"] = args.plan_sample
+            plan["plan_clips"] = args.plan_clips
             cells.append(fresh_process_bytes([__file__, "--probe", json.dumps(plan)], plan) / 2**20)
             peaks.append((cells[1], cells[3], cells[4]))
             lines.append(
@@ -165,8 +165,8 @@ def main(argv=None) -> None:
         f"At {args.videos[-1] / args.videos[0]:.0f}× the videos, the anonymous peak is "
         f"{peaks[-1][0] / peaks[0][0]:.2f}× the smallest count's with eval_clips "
         f"{args.eval_clips:,}, and "
-        f"{peaks[-1][1] / peaks[0][1]:.1f}× when every dev clip is scored; a GCBS epoch's plan "
-        f"of plan_sample = {args.plan_sample:,} clips (rank 0's embeddings and the published "
+        f"{peaks[-1][1] / peaks[0][1]:.1f}× when every dev clip is scored; a GCBS plan "
+        f"of {args.plan_clips:,} clips (rank 0's embeddings and the published "
         f"order) peaks at {peaks[-1][2] / peaks[0][2]:.2f}× the smallest count's.",
         "",
     ]

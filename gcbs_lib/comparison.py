@@ -58,9 +58,8 @@ def run_arms(
             summary = train(config, output_dir)
         else:
             args = {"config": asdict(config), "output_dir": str(output_dir)}
-            summary = launch(
-                "gcbs_lib.train:launched", nproc=nproc, backend=backend, echo=False, args=args
-            )
+            ranks = dict(nproc=nproc, backend=backend, timeout=config.collective_timeout)
+            summary = launch("gcbs_lib.train:launched", echo=False, args=args, **ranks)
         summaries[arm, seed] = summary
         steps = f"{summary['steps']} steps, best dev at step {summary['best_step']}"
         print(f"{arm} seed {seed}: {steps}, test {scores_text(summary['rows'])}")

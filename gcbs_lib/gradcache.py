@@ -92,6 +92,10 @@ class _Chunk:
     rng: RandContext | None = None
     kept: torch.Tensor | None = None  # the last chunk's embeddings with their graph: no replay
 
+    @property
+    def where(self) -> str:
+        return f"branch {self.branch}, rows {self.rows.start}:{self.rows.stop}"
+
 
 def cached_loss(
     loss_fn: Callable[..., torch.Tensor], encoders, batches: Sequence, chunk_size: int
@@ -116,6 +120,11 @@ def cached_loss(
         if chunk.kept is not None:  # a frozen encoder's chunk has no graph to keep
             chunk.kept = z if z.requires_grad else None
         cached.append(z.detach())
+    # one read of the device for all chunks, not one a chunk (which chunk: only on failure)
+    finite = torch.stack([torch.isfinite(z).all().to(cached[0].device) for z in cached])
+    if not finite.all():
+        where = chunks[int(finite.int().argmin())].where
+        raise FloatingPointError(f"{where}: the encoder produced NaN or inf embeddings")
     embeddings = [
         joined([z for z, c in zip(cached, chunks) if c.branch == b]) for b in range(len(batches))
     ]
@@ -158,12 +167,9 @@ class _CachedEmbeddings(torch.autograd.Function):
 
 
 def _checked(z, chunk: _Chunk) -> torch.Tensor:
-    where = f"branch {chunk.branch}, rows {chunk.rows.start}:{chunk.rows.stop}"
     rows = isinstance(z, torch.Tensor) and z.shape[:1] == (chunk.rows.stop - chunk.rows.start,)
     got = getattr(z, "shape", type(z))
-    require(rows, f"{where}: the encoder returned {got}, not one row per input row")
-    if not torch.isfinite(z).all():
-        raise FloatingPointError(f"{where}: the encoder produced NaN or inf embeddings")
+    require(rows, f"{chunk.where}: the encoder returned {got}, not one row per input row")
     return z
 
 

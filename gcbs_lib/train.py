@@ -9,11 +9,11 @@ import argparse
 import gc
 import hashlib
 import json
+import math
 import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -29,12 +29,13 @@ from transformers import get_scheduler
 from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, results, seeding
 from gcbs_lib.check import as_type, require
 from gcbs_lib.data import write_atomic
-from gcbs_lib.launcher import COLLECTIVE_TIMEOUT
+from gcbs_lib.launcher import collective_timeout
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 STATE = ("step", "epoch", "position", "plan", "best")  # where a run is, beside its tensors
 RESUMABLE = set(
-    "checkpoint_every eval_every progress device sync_check_every sync_tolerance".split()
+    "checkpoint_every eval_every progress device sync_check_every sync_tolerance "
+    "collective_timeout".split()
 )
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,12 +82,17 @@ class TrainConfig:
     checkpoint_every: int = 100
     sync_check_every: int = 0  # DDP: compare parameters and gradients across ranks every N steps
     sync_tolerance: float = 0.0  # the largest difference between ranks the sync check accepts
+    # DDP: seconds a rank waits for the others before the job fails (None: launcher's
+    # collective_timeout, $GCBS_COLLECTIVE_TIMEOUT or 1800)
+    collective_timeout: float | None = None
     progress: bool = True
     options: Any = None  # the experiment's Options (filled by `load_config`)
 
     def __post_init__(self):
-        positive = "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr"
-        positive = [*positive.split(), "clip_norm", "scale", "max_scale", "gcbs_neighbours"]
+        positive = (
+            "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr clip_norm"
+            " scale max_scale gcbs_neighbours collective_timeout"
+        ).split()
         wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
 
@@ -500,11 +506,13 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.parameters, config.clip_norm or float("inf")
         )
-        judged = {"the loss": global_loss, "the gradient norm": grad_norm}
+        # the step's one read of the device (the scaler's `step` reads once more): logged, checked
+        loss_value, norm = torch.stack([global_loss, grad_norm.double()]).tolist()
+        judged = {"the loss": loss_value, "the gradient norm": norm}
         if self.scaler.is_enabled():  # fp16: an overflow skips its step (the scaler's `step`)
             del judged["the gradient norm"]
         for what, value in judged.items():  # nothing changed yet: the checkpoint is still good
-            if not torch.isfinite(value):
+            if not math.isfinite(value):
                 raise TrainingDiverged(
                     f"{what} is not finite at step {self.step + 1} (scale {self._scale():g}, lr "
                     f"{config.lr}): too low a temperature, too high a learning rate, NaN inputs?"
@@ -512,7 +520,7 @@ class Trainer:
         # the sync check comes after the finiteness checks: inf − inf would read as out of sync
         checked = {}
         every = config.sync_check_every
-        if self.world_size > 1 and every and (self.step + 1) % every == 0 and grad_norm.isfinite():
+        if self.world_size > 1 and every and (self.step + 1) % every == 0 and math.isfinite(norm):
             grads = [p.grad for p in self.parameters if p.grad is not None]
             difference = distributed.rank_difference([*self.parameters, *grads])
             checked = {"rank_difference": difference}
@@ -525,12 +533,12 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         torch.no_grad()(self.experiment.after_step)(self.model)  # e.g. a momentum encoder's update
-        if grad_norm.isfinite():  # fp16: a skipped step keeps its learning rate (as HF's Trainer)
+        if math.isfinite(norm):  # fp16: a skipped step keeps its learning rate (as HF's Trainer)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if config.learnable_scale:
             self.scale.clamp_()
-        record = dict(loss=float(global_loss), lr=lr, grad_norm=float(grad_norm))
+        record = dict(loss=loss_value, lr=lr, grad_norm=norm)
         return {**record, "scale": self._scale(), "seconds": time.perf_counter() - start, **checked}
 
     def _scale(self) -> float:
@@ -634,10 +642,8 @@ def main(argv: list[str] | None = None) -> None:
             return
         require(arguments.output_dir, "the following arguments are required: --output-dir")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
-            dist.init_process_group(
-                "nccl" if config.device == "cuda" else "gloo",
-                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT),
-            )
+            timeout = collective_timeout(config.collective_timeout)
+            dist.init_process_group("nccl" if config.device == "cuda" else "gloo", timeout=timeout)
         trainer = Trainer(config, arguments.output_dir)
     except (KeyError, ValueError, OSError) as error:
         parser.error(error.args[0] if isinstance(error, KeyError) else str(error))

@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_check_runs_its_cheap_checks_on_the_cpu():
-    checks = ["dropout", "bf16", "gcbs", "precision", "nccl", "ddp"]
+    checks = ["dropout", "bf16", "gcbs", "precision", "gradients", "nccl", "ddp"]
     done = subprocess.run(
         [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick", "--only", *checks],
         cwd=REPO,
@@ -29,6 +29,8 @@ def test_the_gpu_check_runs_its_cheap_checks_on_the_cpu():
         "GCBS",  # its time against one matmul pass
         "trainer,",  # bf16
         "trainer,",  # fp16 with its gradient scaler
+        "trainer",  # fp16 gradients, plain backward, against float64
+        "trainer",  # through GradCache
         "gloo,",  # the nccl check's stand-in on a CPU
         "gloo,",  # notebook 07's gradient check on 2 ranks
     ]

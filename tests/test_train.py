@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+import gcbs_lib.check
 import gcbs_lib.train
 from gcbs_lib import distributed
 from gcbs_lib.data import write_atomic
@@ -176,6 +178,7 @@ def test_the_paper_profiles_train_in_their_recipes_precision_and_the_cpu_ones_in
         ({"learnable_scale": "maybe"}, ValueError, "learnable_scale must be bool"),
         ({"batch_size": "0", "lr": "-1"}, ValueError, "batch_size, lr must be positive"),
         ({"clip_norm": "-1", "scale": "0"}, ValueError, "clip_norm, scale must be positive"),
+        ({"collective_timeout": "0"}, ValueError, "collective_timeout must be positive"),
     ],
 )
 def test_unknown_keys_and_ill_typed_values_are_refused(overrides, error, match):
@@ -223,6 +226,50 @@ def test_command_line_errors_exit_2_with_one_message_and_no_traceback(
         main([*arguments, "--output-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith("usage:") and "error: " in err and message in err
+    assert not any(tmp_path.iterdir())
+
+
+class Joined(Exception):
+    """Raised in place of joining a process group."""
+
+
+@pytest.mark.parametrize(
+    "key, environment, seconds",
+    [(None, None, 1800), (None, "90", 90), ("7", "90", 7), ("7", "ten", 7)],
+)
+def test_under_torchrun_the_ranks_wait_the_config_keys_timeout_else_the_environments(
+    tmp_path, monkeypatch, key, environment, seconds
+):
+    """`collective_timeout` (a config key), else GCBS_COLLECTIVE_TIMEOUT, else 30 minutes: how
+    long each rank waits in a collective, set where torchrun's rank joins its process group."""
+    joined = []
+
+    def join(backend, timeout):
+        joined.append((backend, timeout))
+        raise Joined
+
+    monkeypatch.setattr(dist, "init_process_group", join)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("GCBS_COLLECTIVE_TIMEOUT", raising=False)
+    if environment is not None:
+        monkeypatch.setenv("GCBS_COLLECTIVE_TIMEOUT", environment)
+    overrides = [] if key is None else ["--set", f"collective_timeout={key}"]
+    with pytest.raises(Joined):
+        main(["--experiment", "codesearch", "--output-dir", str(tmp_path), *overrides])
+    assert joined == [("gloo", timedelta(seconds=seconds))]
+
+
+def test_under_torchrun_a_timeout_that_is_not_seconds_exits_2_naming_it(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("GCBS_COLLECTIVE_TIMEOUT", "ten")
+    arguments = ["--experiment", "codesearch", "--output-dir", str(tmp_path)]
+    assert "GCBS_COLLECTIVE_TIMEOUT must be seconds, got 'ten'" in refused(capsys, arguments)
+    monkeypatch.delenv("GCBS_COLLECTIVE_TIMEOUT")
+    overrides = ["--set", "collective_timeout=.inf"]
+    message = "a collective timeout must be positive seconds, got inf"
+    assert message in refused(capsys, [*arguments, *overrides])
     assert not any(tmp_path.iterdir())
 
 
@@ -667,6 +714,64 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good
     assert last["step"] == 4
     assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
     assert max(r["step"] for r in records(tmp_path)) == 4
+
+
+# ---- host reads
+# --------------------------------------------------------------------------------------------
+
+# a tensor's value read into Python: on a GPU, the host waits for the device
+READS = ("item", "tolist", "numpy", "__array__", "__bool__", "__float__", "__int__", "__index__")
+
+
+def reading(method, reads: list):
+    """`method`, recording the file of each call made by the kit's code (`require(tensor)`'s: the
+    file that called `require`)."""
+
+    def read(tensor, *args, **kwargs):
+        frame = sys._getframe(1)
+        if frame.f_code.co_filename == gcbs_lib.check.__file__:
+            frame = frame.f_back
+        caller = Path(frame.f_code.co_filename)
+        if caller.is_relative_to(REPO / "gcbs_lib"):
+            reads.append(caller.name)
+        return method(tensor, *args, **kwargs)
+
+    return read
+
+
+@pytest.mark.parametrize(
+    "chunk_size, reads",
+    [("none", ["train.py"]), (4, ["gradcache.py", "train.py"])],
+    ids=["plain", "gradcache"],
+)
+def test_a_training_step_reads_the_device_once_and_gradcache_once_for_all_its_chunks(
+    tmp_path, data_root, monkeypatch, chunk_size, reads
+):
+    """A stand-in for a GPU's host reads: the kit's own code reading a tensor's value into Python
+    during one step. The step reads the loss and the gradient norm together (logged and checked
+    for finiteness on the host); `cached_loss` checks its 8 chunks' embeddings in one read; the
+    loss `info_nce` reads none (torch's GradScaler reads once more under fp16). The ci's tiny
+    encoder checks its token ids on each forward, a read each (2 plain, 15 through GradCache: 8
+    chunks, 7 replays), which the paper's Hugging Face encoders do not. On 2 gloo ranks (measured,
+    not tested here) gather_with_grad's layout check adds a read a call: 3 a codesearch step (the
+    global loss and the loss's two gathers). Without a GPU, ops whose output size depends on
+    values (`nonzero`, `unique`) would go unseen here."""
+    config = load_config(
+        "codesearch", "ci", settings(data_root, chunk_size=chunk_size, log_loss_gap="false")
+    )
+    trainer = Trainer(config, tmp_path)
+    batch = trainer.experiment.collate(list(range(16)))
+    seen = []
+    with monkeypatch.context() as patch:
+        for name in READS:
+            method = getattr(torch.Tensor, name)
+            patch.setattr(torch.Tensor, name, reading(method, seen))
+        patch.setattr(torch, "equal", reading(torch.equal, seen))  # gather_with_grad's check
+        record = trainer._train_step(batch)
+    encoder = [file for file in seen if file == "models.py"]
+    assert [file for file in seen if file != "models.py"] == reads
+    assert len(encoder) == (2 if chunk_size == "none" else 15)
+    assert record["loss"] > 0 and record["grad_norm"] > 0
 
 
 # ---- data parallel

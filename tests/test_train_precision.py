@@ -2,17 +2,24 @@
 loss, through GradCache's replays; fp16's GradScaler (the loss scaled, gradients unscaled before
 clipping, a step whose gradients overflowed skipped, its state in checkpoint.pt so a resumed run
 ends bitwise where an uninterrupted one does); each rank's device, with TF32 on CUDA. CPU autocast
-runs the same code paths as CUDA's (torch 2.13 supports float16 autocast on the CPU)."""
+runs the same code paths as CUDA's (torch 2.13 supports float16 autocast on the CPU); the
+gradients an fp16 step takes are fp32's, to fp16's rounding."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from test_train import records, settings
 
 import gcbs_lib.train
+from gcbs_lib.check import relative_error
 from gcbs_lib.experiments.codesearch import CodeSearch
 from gcbs_lib.train import Trainer, TrainingDiverged, load_checkpoint, load_config, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from gpu_check import FP16_GRADIENTS, taken_gradients  # noqa: E402  (tools/ is not a package)
 
 ORIGINAL_LOSS = CodeSearch.loss
 
@@ -58,6 +65,31 @@ def ci(data_root, **overrides):
     """6 steps of 16 pairs, GradCache chunks of 4 (4 chunks a branch), a checkpoint every 2."""
     values = {"max_steps": 6, "chunk_size": 4, "checkpoint_every": 2, "log_loss_gap": "false"}
     return load_config("codesearch", "ci", settings(data_root, **{**values, **overrides}))
+
+
+@pytest.mark.parametrize("clip_norm", ["none", 0.01], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("chunk_size", ["none", 4], ids=["plain", "gradcache"])
+def test_an_fp16_step_takes_the_fp32_gradients_unscaled_and_clipped_to_fp16_rounding(
+    tmp_path, data_root, chunk_size, clip_norm
+):
+    """Autocast float16 with its GradScaler, against the same step in fp32 (same weights, batch and
+    dropout masks): the gradients the optimizer takes and the logged norm (the unclipped one) agree
+    within FP16_GRADIENTS, through a plain backward and through GradCache's replays. Clipped to
+    0.01 (the norm is ≈ 5), a step that clipped the scaled gradients would take 2^-15 of them.
+    Measured: 1.0e-3 to 1.2e-3 here; a scaler factor left in ≈ 1 (clipping before `unscale_`
+    0.99997, GradCache's replayed chunks scaled by 1/1024 under fp16 1.03)."""
+    taken = {
+        precision: taken_gradients(
+            ci(data_root, precision=precision, chunk_size=chunk_size, clip_norm=clip_norm),
+            tmp_path / precision,
+        )
+        for precision in ("fp32", "fp16")
+    }
+    (fp32, fp32_norm), (fp16, fp16_norm) = taken["fp32"], taken["fp16"]
+    assert relative_error(fp16, fp32) <= FP16_GRADIENTS
+    assert fp16_norm == pytest.approx(fp32_norm, rel=FP16_GRADIENTS)
+    if clip_norm == 0.01:
+        assert fp32_norm > 1 and float(fp32.norm()) == pytest.approx(0.01, rel=1e-4)
 
 
 def test_bf16_autocast_covers_every_forward_and_replay_and_trains_finite_near_fp32(

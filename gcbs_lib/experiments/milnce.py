@@ -6,6 +6,7 @@ the paper evaluates on YouCook2 and MSR-VTT instead)."""
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Literal, Sequence
@@ -28,6 +29,8 @@ from gcbs_lib.models import PAD_ID, HashingTokenizer
 from gcbs_lib.seeding import fixed_subset, generator, stream_seed
 
 NAMES = {"python-doc": "python3.11-doc-sections", "howto100m": "paper"}  # planted: planted-sigma<σ>
+# the other ranks wait this long for rank 0's build of the bags (not the collective timeout)
+BUILD_TIMEOUT = timedelta(hours=12)
 
 
 class SentenceHead(nn.Module):
@@ -105,8 +108,8 @@ class MilNce(Experiment):
                 ensure_built(self.root, *scripts[o.source])
             settings = {"bag_size": o.bag_size, "eval_fraction": o.eval_fraction}
             build_once(folder, settings, partial(write_splits, o, self.root))
-        if world_size > 1:
-            dist.barrier()
+        if world_size > 1:  # for a build, not a hang: hours at HowTo100M's size (≥ 1.7 h estimated)
+            dist.barrier(dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT))
         self.store = howto100m.FeatureStore(self.root)
         self.tokenize = HashingTokenizer(o.vocab_size, o.max_words)
         self.bags = howto100m.open_arrays(folder / "train")
