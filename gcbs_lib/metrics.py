@@ -18,14 +18,20 @@ INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 def ranks(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
     """1-based rank of each query's match, a LongTensor [Q]: `scores [Q, N]` floating (higher: more
     similar; NaN refused, -inf a mask), `positive [Q]` the integer column of each query's match."""
-    require(
-        isinstance(scores, torch.Tensor) and scores.dim() == 2,
-        f"scores must be a 2-D tensor [Q, N], got {getattr(scores, 'shape', scores)}",
-    )
+    matrix = isinstance(scores, torch.Tensor) and scores.dim() == 2
+    require(matrix, f"scores must be a 2-D tensor [Q, N], got {getattr(scores, 'shape', scores)}")
     require(scores.is_floating_point(), f"scores must be floating, got {scores.dtype}")
     require(scores.shape[1] > 0, "scores must have N > 0 columns")
-    _check_positive(positive, *scores.shape)
-    return _ranks(scores, positive)
+    integer = isinstance(positive, torch.Tensor) and positive.dtype in INTEGERS
+    require(integer, "positive must be an integer tensor")
+    one_each = positive.shape == (len(scores),)
+    require(one_each, f"positive must hold one entry per query ({len(scores)})")
+    inside = not len(positive) or 0 <= positive.min() <= positive.max() < scores.shape[1]
+    require(inside, f"positive indices must lie in [0, {scores.shape[1]})")
+    # an inf times 0 makes a NaN
+    require(not torch.isnan(scores).any(), "scores hold NaN values")
+    match = scores.gather(1, positive.to(scores.device, torch.long)[:, None])
+    return (scores >= match).sum(dim=1)  # the match itself counts once: 1 + #{others >= match}
 
 
 def retrieval_ranks(
@@ -33,7 +39,7 @@ def retrieval_ranks(
 ) -> torch.Tensor:
     """`ranks(queries @ pool.T, positive)`, `block_size` queries at a time (default: about
     BLOCK_ELEMENTS scores): queries [Q, D], pool [N, D] (unit rows: cosines), positive [Q] the
-    matches' pool rows."""
+    matches' pool rows. `ranks` checks each block; the whole `positive` is one per query."""
     require(
         queries.dim() == pool.dim() == 2 and queries.shape[1] == pool.shape[1],
         f"need queries [Q, D] and pool [N, D] of the same width, got {tuple(queries.shape)}, "
@@ -41,38 +47,19 @@ def retrieval_ranks(
     )
     require(queries.is_floating_point(), f"queries must be floating, got {queries.dtype}")
     require(len(pool) > 0, "the pool is empty")
-    _check_positive(positive, len(queries), len(pool))
+    one_each = len(positive) == len(queries)
+    require(one_each, f"positive must hold one entry per query ({len(queries)})")
     size = max(1, BLOCK_ELEMENTS // len(pool)) if block_size is None else block_size
     require(int(size) == size >= 1, f"block_size must be a positive integer, got {block_size!r}")
     blocks = [slice(i, i + int(size)) for i in range(0, len(queries), int(size))]
-    return torch.cat([_ranks(queries[b] @ pool.T, positive[b]) for b in blocks])
-
-
-def _check_positive(positive, queries: int, candidates: int) -> None:
-    """`positive` must be an integer tensor: one column in [0, candidates) per query."""
-    integer = isinstance(positive, torch.Tensor) and positive.dtype in INTEGERS
-    require(integer, "positive must be an integer tensor")
-    require(positive.shape == (queries,), f"positive must hold one entry per query ({queries})")
-    require(
-        not len(positive) or 0 <= positive.min() <= positive.max() < candidates,
-        f"positive indices must lie in [0, {candidates})",
-    )
-
-
-def _ranks(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-    """`ranks` of checked inputs; scores holding NaN (an inf times 0 makes one) are refused."""
-    require(not torch.isnan(scores).any(), "scores hold NaN values")
-    match = scores.gather(1, positive.to(scores.device, torch.long)[:, None])
-    return (scores >= match).sum(dim=1)  # the match itself counts once: 1 + #{others >= match}
+    return torch.cat([ranks(queries[b] @ pool.T, positive[b]) for b in blocks])
 
 
 def mrr(ranks: torch.Tensor | list[int], cutoff: int | None = None) -> float:
     """Mean reciprocal rank; a rank beyond `cutoff` counts 0 (UniXcoder's code search: 1000)."""
     r = _checked_ranks(ranks)
-    require(
-        cutoff is None or int(cutoff) == cutoff >= 1,
-        f"cutoff must be a positive integer or None, got {cutoff!r}",
-    )
+    valid = cutoff is None or int(cutoff) == cutoff >= 1
+    require(valid, f"cutoff must be a positive integer or None, got {cutoff!r}")
     return float(np.where(r <= (cutoff or np.inf), 1.0 / r, 0.0).mean())
 
 
@@ -130,9 +117,8 @@ def knn_predict(
     require(torch.isfinite(bank).all(), "the bank is not finite")
     integer = not bank_labels.dtype.is_floating_point and bank_labels.dtype != torch.bool
     require(integer, f"bank_labels must be integer class indices, got {bank_labels.dtype}")
-    require(
-        bank_labels.min() >= 0, f"bank_labels must be class indices ≥ 0, got {bank_labels.min()}"
-    )
+    lowest = bank_labels.min()
+    require(lowest >= 0, f"bank_labels must be class indices ≥ 0, got {lowest}")
     require(1 <= k <= len(bank), f"k must lie in 1..{len(bank)} (the bank's rows), got {k}")
     features, bank = F.normalize(features, dim=1), F.normalize(bank, dim=1)
     classes = int(bank_labels.max()) + 1
