@@ -8,25 +8,16 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
+from gcbs_lib import results
 from gcbs_lib.launcher import launch
-from gcbs_lib.results import (
-    COMMITTED,
-    build_table,
-    half_width,
-    provenance,
-    read_rows,
-    summarize,
-    to_markdown,
-)
 from gcbs_lib.train import Trainer, load_config, train
 
 
 def arm_configs(experiment, profile, arms, seeds, overrides=None) -> dict:
     """`{(arm, seed): TrainConfig}`, seed-major: the profile, `overrides`, the arm, the seed."""
+    overrides = overrides or {}
     return {
-        (arm, seed): load_config(
-            experiment, profile, {**(overrides or {}), "sampler": arm, "seed": seed}
-        )
+        (arm, seed): load_config(experiment, profile, {**overrides, "sampler": arm, "seed": seed})
         for seed in seeds
         for arm in arms
     }
@@ -78,17 +69,17 @@ def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: 
     provenance): the 95 % half-width t·sd/√n of Δ for n = 2 … 12 seeds, printed with the time of
     each; returns {n: half-width}."""
     name = f"{notebook}.cpu.json"
-    lines = build_table(read_rows(COMMITTED / name))
+    lines = results.build_table(results.read_rows(results.COMMITTED / name))
     paired = next(
         x for x in lines if (x.experiment, x.metric, x.arm) == (experiment, metric, "gcbs")
     )
-    made = provenance()[name]
+    made = results.provenance()[name]
     sd = statistics.stdev(paired.differences)
     seeds = len(paired.differences)
     seconds = made["seconds"] / seeds
     print(f"committed run at {made['commit']}: s_Δ = {sd:.4g} over {seeds} seeds,")
     print(f"{seconds:.0f} s a seed on {made['cores']} cores; the next run's seeds:")
-    half = {n: half_width(sd, n) for n in range(2, 13)}
+    half = {n: results.half_width(sd, n) for n in range(2, 13)}
     for n, h in half.items():
         minutes = n * seconds / 60
         over = "" if minutes <= budget_minutes else " (over budget)"
@@ -131,9 +122,9 @@ def arms_table(summaries, stand_in="not the paper's data") -> dict:
         )
     if rows[0]["profile"] == "ci":
         print("ci profile, a smoke test: these numbers mean nothing about GCBS")
-    lines = build_table(rows, outputs=outputs_of(summaries))
+    lines = results.build_table(rows, outputs=outputs_of(summaries))
     lines = [line for line in lines if line.metric.startswith("test_")]
-    display(MarkdownTable(to_markdown(lines)))
+    display(MarkdownTable(results.to_markdown(lines)))
     # one per metric
     moved = {line.metric[5:]: line for line in lines if line.start and line.random}
     gains = [
@@ -151,7 +142,7 @@ def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[s
     curves = {}
     for arm in arms:
         runs = [summary[records] for (a, _), summary in summaries.items() if a == arm]
-        points = [summarize([r[key] for r in same_point]) for same_point in zip(*runs)]
+        points = [results.summarize([r[key] for r in same_point]) for same_point in zip(*runs)]
         curves[arm] = [p.mean for p in points]
         x = [r["step"] for r in runs[0]] if records == "dev" else range(len(runs[0]))
         ax.plot(x, curves[arm], "o-", ms=3, label=arm)
