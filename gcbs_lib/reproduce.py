@@ -26,17 +26,10 @@ import nbformat
 import papermill
 import yaml
 
+from gcbs_lib import results
 from gcbs_lib.check import as_type, require
 from gcbs_lib.data import REPOSITORY, read_json, write_atomic
-from gcbs_lib.results import (
-    RESULTS_DIR_VARIABLE,
-    build_table,
-    current_commit,
-    read_outputs,
-    read_rows,
-    to_csv,
-    to_markdown,
-)
+from gcbs_lib.results import current_commit  # by name: tests pin the commit
 
 NOTEBOOKS = REPOSITORY / "notebooks"
 
@@ -179,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": round(os.getloadavg()[0], 1),  # other work slows what notebooks time
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):
+    # notebooks `record` their rows there
+    environment = {results.RESULTS_DIR_VARIABLE: str((out / "results").resolve())}
+    with mock.patch.dict(os.environ, environment):
         for notebook, parameters in plans.items():
             done = execute(notebook, parameters, out, args.prepare_only)
             before = kept.get(notebook.stem, {}).get("seconds", 0)
@@ -190,16 +185,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.fail_fast and done["status"] == "failed":
                 break
     files = sorted(out.glob("results/*.json"))
-    rows = [row for path in files for row in read_rows(path)]
-    lines = build_table(rows, commit, [run for path in files for run in read_outputs(path)])
+    rows = [row for path in files for row in results.read_rows(path)]
+    outputs = [run for path in files for run in results.read_outputs(path)]
+    lines = results.build_table(rows, commit, outputs)
     tables = [
-        f"## {name}\n\n{to_markdown([line for line in lines if line.experiment == name])}"
+        f"## {name}\n\n{results.to_markdown([line for line in lines if line.experiment == name])}"
         for name in dict.fromkeys(line.experiment for line in lines)  # one table per experiment
     ]
     smoke = "ci profile: a smoke test; these numbers mean nothing about GCBS\n\n"
     heading = f"{smoke if args.profile == 'ci' else ''}# `{run['command']}`\n\nat {commit}\n\n"
     write_atomic(out / "results.md", heading + "\n".join(tables))
-    write_atomic(out / "results.csv", to_csv(lines))
+    write_atomic(out / "results.csv", results.to_csv(lines))
     failed = {n: r["error"] for n, r in run["notebooks"].items() if r["status"] == "failed"}
     print(f"results.md, results.csv and figures/ in {out}/", file=sys.stderr if failed else None)
     for name, error in failed.items():
