@@ -62,9 +62,8 @@ def read_captions(path: str | Path, skipped: dict | None = None) -> dict[str, di
     captions = {}
     for key, entry in raw.items():
         try:
-            captions[str(key)] = _plain_captions(
-                str(key), _read_csv_captions(entry) if path.is_dir() else entry
-            )
+            entry = _read_csv_captions(entry) if path.is_dir() else entry
+            captions[str(key)] = _plain_captions(str(key), entry)
         except (ValueError, TypeError, csv.Error) as error:  # a UnicodeDecodeError is a ValueError
             if skipped is None:
                 raise
