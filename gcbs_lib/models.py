@@ -126,9 +126,8 @@ class HFEncoder(nn.Module):
             options = dict(padding=True, truncation=True, max_length=length, return_tensors="pt")
             return dict(self.tokenizer(texts, **options))
         cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
-        bodies = self.tokenizer(
-            texts, add_special_tokens=False, truncation=True, max_length=length - 4
-        )
+        options = dict(add_special_tokens=False, truncation=True, max_length=length - 4)
+        bodies = self.tokenizer(texts, **options)
         rows = [[cls, self.prefix_id, sep, *body, sep] for body in bodies["input_ids"]]
         return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt"))
 
