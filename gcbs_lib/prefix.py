@@ -38,6 +38,4 @@ class PrefixPromptedEncoder(nn.Module):
         require(mask.shape == input_ids.shape, f"attention_mask {got}")
         mask = torch.cat([mask.new_ones(len(mask), self.prompt.shape[3]), mask], dim=1)
         prompt = DynamicCache(self.prefix(len(input_ids)))
-        return self.backbone(
-            input_ids=input_ids, attention_mask=mask, past_key_values=prompt, **kwargs
-        )
+        return self.backbone(input_ids, attention_mask=mask, past_key_values=prompt, **kwargs)
