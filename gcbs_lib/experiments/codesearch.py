@@ -84,9 +84,8 @@ class CodeSearch(Experiment):
                     f"{task.repeated} repeated keys (first kept)"
                 )
             keep = fixed_subset(len(task.queries), o.eval_limit, f"{split}-subset")
-            self.tasks[split] = task._replace(
-                queries=[task.queries[i] for i in keep], positive=task.positive[keep]
-            )
+            queries = [task.queries[i] for i in keep]
+            self.tasks[split] = task._replace(queries=queries, positive=task.positive[keep])
         self.train = [pairs[i] for i in fixed_subset(len(pairs), o.train_limit, "train-subset")]
         modules = [pair["key"].partition("#")[0] for pair in self.train]  # a url's file
         return TrainSet(len(self.train), duplicate_groups(self.train), modules)
