@@ -115,10 +115,9 @@ class SimCSE(Experiment):
         their average as `spearman`."""
         scores = {}
         for name, task in outputs.items():
-            ranking = np.ptp(task["predicted"]) and np.ptp(task["gold"])
-            scores[f"spearman_{name}"] = (
-                spearman(task["predicted"], task["gold"]) if ranking else 0.0
-            )
+            predicted, gold = task["predicted"], task["gold"]
+            ranking = np.ptp(predicted) and np.ptp(gold)
+            scores[f"spearman_{name}"] = spearman(predicted, gold) if ranking else 0.0
         return {"spearman": sum(scores.values()) / len(scores), **scores}
 
     def embed(self, model: nn.Module, texts: list[str]) -> torch.Tensor:
