@@ -318,9 +318,8 @@ class MoCo(Experiment):
     def _knn(self, embed, split: str) -> Outputs:
         o = self.options
         images, labels = self.splits[split]
-        queries, bank = (
-            embed(x.split(o.eval_batch_size)).float().cpu() for x in (images, self.train)
-        )
+        size = o.eval_batch_size
+        queries, bank = (embed(x.split(size)).float().cpu() for x in (images, self.train))
         votes = knn_predict(queries, bank, self.train_labels, o.knn_k, o.knn_temperature)
         return {"images": {"predicted": votes.tolist(), "gold": labels.tolist()}}
 
