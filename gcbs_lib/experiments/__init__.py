@@ -86,8 +86,8 @@ class Experiment(ABC):
     @staticmethod
     def gathered_groups(batch: Batch) -> torch.Tensor | None:
         """The global batch's group ids (`mask_same_group`), gathered as `gather_with_grad` gathers
-        the embeddings; None without them."""
-        groups = (batch.extra or {}).get("groups")
+        the embeddings; None without them (or without a batch)."""
+        groups = (getattr(batch, "extra", None) or {}).get("groups")
         return None if groups is None else gather_with_grad(groups)
 
     @abstractmethod
