@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gcbs_lib.losses import LogitScale, info_nce, rank_info_nce
 
@@ -47,7 +48,10 @@ def test_info_nce_is_cross_entropy_at_each_querys_positive(hard_negatives, symme
 def test_same_group_negatives_leave_the_denominator_and_the_positive_stays(
     hard_negatives, symmetric
 ):
-    query, docs = torch.randn(6, 8), torch.randn(6 * (1 + hard_negatives), 8)
+    # unit rows at scale 5: every masked negative carries weight in the denominator
+    generator = torch.Generator().manual_seed(hard_negatives + 2 * symmetric)
+    query = F.normalize(torch.randn(6, 8, generator=generator), dim=1)
+    docs = F.normalize(torch.randn(6 * (1 + hard_negatives), 8, generator=generator), dim=1)
     # four groups: every query has same-group negatives (hard ones among them) and its positive
     # shares its group with other queries' positives
     groups = torch.arange(len(docs)) % 4
