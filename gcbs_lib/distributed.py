@@ -48,7 +48,9 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     shapes or dtypes raise ValueError on every rank (an all-gather of MAX_DIMS + 2 int64 checks)."""
     if rank_and_world_size()[1] == 1:
         return x
-    sizes = [zlib.crc32(str(x.dtype).encode()), x.dim(), *x.shape[:MAX_DIMS]]  # dtype code first
+
+    # dtype code first
+    sizes = [zlib.crc32(str(x.dtype).encode()), x.dim(), *x.shape[:MAX_DIMS]]
     layout = torch.tensor(sizes + [-1] * (MAX_DIMS + 2 - len(sizes)), device=x.device)
     layouts = _everyone(layout)
     if not torch.equal(layouts, layout.expand_as(layouts)):
@@ -96,13 +98,17 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
     dist.all_gather_object(layouts, ([(t.numel(), str(t.dtype)) for t in tensors], has_nan))
     if any(layout != layouts[0][0] for layout, _ in layouts):
         raise ValueError("rank_difference: ranks hold tensors of different sizes or dtypes")
-    if any(has_nan for _, has_nan in layouts):  # MAX and MIN all-reduces may drop a NaN
+
+    # MAX and MIN all-reduces may drop a NaN
+    if any(has_nan for _, has_nan in layouts):
         return float("nan")
     largest = 0.0
     for tensor in tensors:
         high, low = tensor.clone(), tensor.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)  # below, inf − inf counts as 0
+
+        # below, inf − inf counts as 0
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
         largest = max(largest, float((high.double() - low.double()).nan_to_num(nan=0.0).max()))
     return largest
 
@@ -115,7 +121,8 @@ class VirtualRanks:
 
     def shard(self, batch):
         """Rank r's rows r·B:(r+1)·B of a global batch (tensor or dict), as a DistributedSampler."""
-        n, w = batch_length(batch), self.world_size
+        n = batch_length(batch)
+        w = self.world_size
         require(not n % w, f"a batch of {n} does not split into {w} equal shards")
         return [slice_batch(batch, r * n // w, (r + 1) * n // w) for r in range(w)]
 

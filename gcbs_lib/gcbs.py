@@ -93,11 +93,14 @@ def _at_least(block: torch.Tensor, bound: float) -> tuple[np.ndarray, np.ndarray
 def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
     """A lower bound, most likely, on the keep-th largest off-diagonal S_ij: in SAMPLE_ROWS random
     rows (or all N), the value that twice the expected number of sampled entries reaches."""
-    n, r = len(u1), min(len(u1), SAMPLE_ROWS)
+    n = len(u1)
+    r = min(n, SAMPLE_ROWS)
     rows = torch.from_numpy(np.random.default_rng(0).choice(n, r, replace=False)).to(u1.device)
     sample = u1[rows] @ u2.T
     sample[torch.arange(r, device=u1.device), rows] = -math.inf
-    k, sample = min(r * (n - 1), 2 * math.ceil(keep * r / n) + 64), sample.view(-1)
+    sample = sample.view(-1)
+    # twice the entries expected above the keep-th largest, and a margin for small samples
+    k = min(r * (n - 1), 2 * math.ceil(keep * r / n) + 64)
     return float(
         sample.topk(k).values[-1] if sample.is_cuda else np.partition(sample.numpy(), -k)[-k]
     )
@@ -108,7 +111,9 @@ def _candidates(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One pass over S: flat indices i·N + j and values of the off-diagonal entries ≥ bound. Past
     2·keep held entries, the bound rises to the keep-th largest of them: memory stays O(keep)."""
-    n, flats, values, held = len(u1), [], [], 0
+    n = len(u1)
+    flats, values = [], []
+    held = 0
     for start, block in _blocks(u1, u2):
         flat, value = _at_least(block, bound)
         flats.append(flat + start * n)
@@ -118,7 +123,8 @@ def _candidates(
             flat, value = np.concatenate(flats), np.concatenate(values)
             bound = float(np.partition(value, len(value) - keep)[len(value) - keep])
             kept = value >= bound
-            flats, values, held = [flat[kept]], [value[kept]], int(kept.sum())
+            flats, values = [flat[kept]], [value[kept]]
+            held = int(kept.sum())
     return np.concatenate(flats), np.concatenate(values)
 
 
@@ -128,10 +134,14 @@ def _threshold_and_candidates(u1, u2, quantile: float) -> tuple[float, np.ndarra
     m = len(u1) * (len(u1) - 1)
     position = (m - 1) * quantile
     low = math.floor(position)
-    high, keep = min(low + 1, m - 1), m - low  # x_low is the keep-th largest value
+    high = min(low + 1, m - 1)
+    # x_low is the keep-th largest value
+    keep = m - low
     for bound in (_sample_bound(u1, u2, keep), NO_BOUND):
         flat, values = _candidates(u1, u2, bound, keep)
-        below = m - len(values)  # entries left out: all smaller than the kept ones
+
+        # entries left out: all smaller than the kept ones
+        below = m - len(values)
         if below <= low:
             break
     pair = np.partition(values, [low - below, high - below])[[low - below, high - below]]
@@ -159,7 +169,9 @@ def _chunk_quantiles(chunks: torch.Tensor, quantile: float) -> torch.Tensor:
     rank = torch.tensor(quantile, dtype=torch.float32) * (m - 1)
     low = int(rank)
     high = int(rank.ceil())
-    top = chunks.topk(m - low, dim=1).values  # column j: the order statistic m − 1 − j
+
+    # column j: the order statistic m − 1 − j
+    top = chunks.topk(m - low, dim=1).values
     weight = (rank - low).to(chunks.device).expand(len(top))
     return top[:, m - 1 - low].lerp(top[:, m - 1 - high], weight)
 
@@ -186,7 +198,9 @@ def published_graph(z1, z2, quantile: float = 0.999) -> sp.csr_matrix:
     require(0 <= quantile <= 1, f"quantile must lie in [0, 1], got {quantile}")
     u1, u2 = unit_rows(z1, z2)
     n = len(u1)
-    quantiles, kept, edges = [], [], []
+    quantiles = []
+    kept = []
+    edges = []
     for start, block in _blocks(u1, u2, keep_diagonal=True, multiple=10):
         whole = len(block) // 10 * 10
         parts = [block[:whole].reshape(-1, 10 * n), block[whole:].reshape(1, -1)]
@@ -194,7 +208,10 @@ def published_graph(z1, z2, quantile: float = 0.999) -> sp.csr_matrix:
         bound = float(quantiles[-1].min())
         flat, values = _at_least(block, bound)
         if len(values) > 4 * (1 - quantile) * block.numel() + 10 * n:
-            flat, values, bound = None, None, math.inf
+            # too many entries at this bound: computed again once the threshold is known
+            flat = None
+            values = None
+            bound = math.inf
         kept.append((start, len(block), bound, flat, values))
     # the README's own median of 0-d float32 tensors (sorted first: the sort then scans them once)
     median = statistics.median(torch.cat(quantiles).sort().values.cpu().unbind())
@@ -248,9 +265,12 @@ def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> 
     if keys is None:
         starts = range(0, len(order) - batch_size + 1, batch_size)
         return [order[s : s + batch_size] for s in starts]
-    queue, batches = deque(order), []
+    queue = deque(order)
+    batches = []
     for b in range(len(order) // batch_size):
-        batch, seen, waiting = [], set(), []
+        batch = []
+        seen = set()
+        waiting = []
         while len(batch) < batch_size and queue:
             i = queue.popleft()
             (waiting if keys[i] in seen else batch).append(i)
@@ -326,10 +346,14 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     items = torch.arange(n, device=u1.device)
     permutation = order.shape == (n,) and torch.equal(order.sort().values, items)
     require(permutation, f"order must be a permutation of range({n})")
-    batch_of = order.argsort() // batch_size  # item i stands at place argsort[i] of the order
+
+    # item i stands at place argsort[i] of the order
+    batch_of = order.argsort() // batch_size
     total = u1.new_zeros(())
     rows = max(1, _block_elements(u1.device) // n)
-    for start in range(0, n, rows):  # summed on the device: one host sync
+
+    # summed on the device: one host sync
+    for start in range(0, n, rows):
         logits = u1[start : start + rows] @ u2.T / temperature
         outside = batch_of[start : start + rows, None] != batch_of[None, :]
         inside = logits.masked_fill(outside, -math.inf).logsumexp(1)

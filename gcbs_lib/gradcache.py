@@ -28,7 +28,8 @@ class RandContext:
     """Capture the RNG of the CPU and of the devices of `tensors`; entering replays it in a fork."""
 
     def __init__(self, *tensors: torch.Tensor):
-        tensors = {t.device: t for t in tensors}.values()  # one state per device
+        # one state per device
+        tensors = {t.device: t for t in tensors}.values()
         self.cpu_state = torch.get_rng_state()
         self.device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), "cuda")
         self.devices, self.device_states = get_device_states(*tensors)
@@ -105,7 +106,8 @@ def cached_loss(
     branch; `batches`: a tensor or dict (tensor entries sliced on dim 0) per branch. A DDP encoder
     replays under `no_sync()` but for its last chunk (one all-reduce per module per call). Use
     `loss.backward()`, not `torch.autograd.grad`: encoder gradients come from unseen replays."""
-    chunks, cached = _chunks(encoders, batches, chunk_size), []
+    chunks = _chunks(encoders, batches, chunk_size)
+    cached = []
     # the last chunk keeps its graph (one replay fewer), unless no backward will come or DDP would
     # see its forward before the replays' (DDP reduces after a module's last backward)
     last = chunks[-1]
@@ -117,7 +119,9 @@ def cached_loss(
         chunk.rng = RandContext(*_tensors(chunk.inputs), *params)
         with torch.set_grad_enabled(chunk.kept is not None):
             z = _checked(chunk.encoder(chunk.inputs), chunk)
-        if chunk.kept is not None:  # a frozen encoder's chunk has no graph to keep
+
+        # a frozen encoder's chunk has no graph to keep
+        if chunk.kept is not None:
             chunk.kept = z if z.requires_grad else None
         cached.append(z.detach())
     # one read of the device for all chunks, not one a chunk (which chunk: only on failure)
@@ -128,11 +132,15 @@ def cached_loss(
     embeddings = [
         joined([z for z, c in zip(cached, chunks) if c.branch == b]) for b in range(len(batches))
     ]
-    anchor = torch.empty(0, requires_grad=True)  # makes autograd record the Function (no gradient)
+
+    # makes autograd record the Function (no gradient)
+    anchor = torch.empty(0, requires_grad=True)
     autocast = [
         (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
     ]
-    return loss_fn(*_CachedEmbeddings.apply(chunks, autocast, anchor, *embeddings))  # step 2
+
+    # step 2
+    return loss_fn(*_CachedEmbeddings.apply(chunks, autocast, anchor, *embeddings))
 
 
 class _CachedEmbeddings(torch.autograd.Function):
@@ -140,28 +148,38 @@ class _CachedEmbeddings(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, chunks: list[_Chunk], autocast: list, anchor, *embeddings: torch.Tensor):
-        ctx.chunks, ctx.autocast = chunks, autocast
+        ctx.chunks = chunks
+        ctx.autocast = autocast
         return tuple(z.view_as(z) for z in embeddings)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         last_use = {id(chunk.encoder): k for k, chunk in enumerate(ctx.chunks)}
         # step 3: the kept chunk first (its graph freed before replays build theirs), then replays
-        last, kept = ctx.chunks[-1], ctx.chunks[-1].kept
-        last.kept = None  # a second backward (retain_graph=True) replays it like the others
+        last = ctx.chunks[-1]
+        kept = last.kept
+
+        # a second backward (retain_graph=True) replays it like the others
+        last.kept = None
         if kept is not None:
             kept.backward(grads[last.branch][(last.rows, *map(slice, kept.shape[1:]))])
         for k, chunk in enumerate(ctx.chunks[: len(ctx.chunks) - (kept is not None)]):
             with contextlib.ExitStack() as stack:
                 ddp = isinstance(chunk.encoder, DistributedDataParallel)
-                if ddp and last_use[id(chunk.encoder)] != k:  # DDP all-reduces at its last chunk
+
+                # DDP all-reduces at its last chunk
+                if ddp and last_use[id(chunk.encoder)] != k:
                     stack.enter_context(chunk.encoder.no_sync())
-                stack.enter_context(chunk.rng)  # the dropout masks of step 1
-                for device, dtype in ctx.autocast:  # and its autocast policy
+
+                # the dropout masks of step 1 and its autocast policy
+                stack.enter_context(chunk.rng)
+                for device, dtype in ctx.autocast:
                     stack.enter_context(torch.autocast(device, dtype=dtype))
                 with torch.enable_grad():
                     z = chunk.encoder(chunk.inputs)
-                if z.requires_grad:  # ∂L/∂z without the padding `joined` added
+
+                # ∂L/∂z without the padding `joined` added
+                if z.requires_grad:
                     z.backward(grads[chunk.branch][(chunk.rows, *map(slice, z.shape[1:]))])
         return (None, None, None) + (None,) * len(grads)
 

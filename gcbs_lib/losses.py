@@ -47,7 +47,13 @@ def similarity(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     return tokens.masked_fill(padding[None, :, None, :], -math.inf).amax(dim=-1).sum(dim=-1)
 
 
-def info_nce(query, docs, scale: Scale = 20.0, symmetric=False, groups=None) -> torch.Tensor:
+def info_nce(
+    query: torch.Tensor,
+    docs: torch.Tensor,
+    scale: Scale = 20.0,
+    symmetric: bool = False,
+    groups: torch.Tensor | None = None,
+) -> torch.Tensor:
     """InfoNCE over the `similarity` of `query [B, D]` and `docs [B·(1+k), D]` (k hard negatives per
     query; [B, T, D] token vectors for late interaction). `scale`: a number, a tensor or a callable
     such as `LogitScale` (20 suits unit-norm embeddings: temperature 0.05). `symmetric=True`
@@ -57,13 +63,13 @@ def info_nce(query, docs, scale: Scale = 20.0, symmetric=False, groups=None) -> 
 
 
 def rank_info_nce(
-    all_queries,
-    all_docs,
+    all_queries: torch.Tensor,
+    all_docs: torch.Tensor,
     scale: Scale = 20.0,
-    symmetric=False,
-    rank=None,
-    world_size=None,
-    groups=None,
+    symmetric: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """L_r, rank r's share of InfoNCE over embeddings gathered from all W ranks: its B queries
     against all W·B·(1+k) documents (symmetric: also its B positive documents against all W·B
@@ -86,7 +92,10 @@ def rank_info_nce(
     )
     got = None if groups is None else tuple(groups.shape)
     require(groups is None or got == (m,), f"groups must hold one id per document ({m}), got {got}")
-    group, b, s = m // n, n // world_size, scale() if callable(scale) else scale
+    # documents per query, and queries per rank
+    group = m // n
+    b = n // world_size
+    s = scale() if callable(scale) else scale
     own = torch.arange(rank * b, (rank + 1) * b, device=all_queries.device)
     logits = [similarity(all_queries[own], all_docs) * s]
     if symmetric:
@@ -134,39 +143,17 @@ def mil_nce(
     the denominators in blocks of chunk_size² scores (no B×N score matrix is held; `groups` holds a
     B×N bool mask), with the same values and gradients to rounding. Returns the mean, or `[B]` with
     reduction="none"."""
-    require(direction in ("v2t", "both"), f"direction must be 'v2t' or 'both', got {direction!r}")
-    require(reduction in ("mean", "none"), f"reduction must be 'mean' or 'none', got {reduction!r}")
-    chunks = chunk_size is None or type(chunk_size) is int and chunk_size > 0
-    require(chunks, f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    # refuse what mil_nce cannot score (a CUDA gather would return garbage)
-    shapes = f"B, N > 0; got {tuple(video.shape)}, {tuple(text.shape)}"
-    paired = video.dim() == text.dim() == 2 and video.shape[1] == text.shape[1]
-    require(paired and len(video) and len(text), f"expected video [B, D] and text [N, D], {shapes}")
-    t = torch.as_tensor(temperature).detach()
-    usable = t.numel() == 1 and 0 < t.item() < math.inf
-    require(usable, f"temperature must be one positive finite number, got {t}")
-    finite = torch.isfinite(video).all() and torch.isfinite(text).all()
-    require(finite, "the video or text embeddings hold NaN or inf (diverged, or an fp16 overflow?)")
-    exclude = bag_idx.new_empty(len(video), 0) if exclude_idx is None else exclude_idx
-    for name, index in (("bag_idx", bag_idx), ("exclude_idx", exclude)):
-        shaped = index.dtype == torch.long and index.dim() == 2 and len(index) == len(video)
-        got = f"got {index.dtype} {tuple(index.shape)}"
-        require(shaped, f"{name} must be a long tensor [B={len(video)}, A], {got}")
-        inside = not index.numel() or -1 <= index.min() <= index.max() < len(text)
-        require(inside, f"{name} holds indices outside [-1, {len(text)}): N captions, -1 pads")
-    empty = (bag_idx < 0).all(dim=1).nonzero().flatten().tolist()
-    require(not empty, f"clips {empty} have an empty bag (a row of only -1)")
-    ordered = bag_idx.sort(dim=1).values
-    twice = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
-    require(not twice, "a caption appears twice in one bag; list each caption of a bag once")
-    shared = (exclude[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
-    require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")
+    exclude = _checked_mil_nce_inputs(
+        video, text, bag_idx, temperature, direction, chunk_size, reduction, exclude_idx
+    )
     scaled = video / temperature
     padding = bag_idx < 0
     bags = bag_idx.clamp(min=0)
     rows, slots = (exclude >= 0).nonzero(as_tuple=True)
     cols = exclude[rows, slots]
-    if groups is not None:  # the pairs (clip, caption of its group outside its bag) leave too
+
+    # the pairs (clip, caption of its group outside its bag) leave too
+    if groups is not None:
         same_rows, same_cols = _same_group_captions(groups, bag_idx, len(text))
         rows, cols = torch.cat([rows, same_rows]), torch.cat([cols, same_cols])
     positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf)
@@ -178,6 +165,61 @@ def mil_nce(
         denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
     loss = denominator - positive
     return loss.mean() if reduction == "mean" else loss
+
+
+def _checked_mil_nce_inputs(
+    video, text, bag_idx, temperature, direction, chunk_size, reduction, exclude_idx
+) -> torch.Tensor:
+    """Refuse what `mil_nce` cannot score (a CUDA gather would return garbage); return the
+    exclusions, [B, 0] when none are given."""
+    require(direction in ("v2t", "both"), f"direction must be 'v2t' or 'both', got {direction!r}")
+    require(reduction in ("mean", "none"), f"reduction must be 'mean' or 'none', got {reduction!r}")
+    require(
+        chunk_size is None or type(chunk_size) is int and chunk_size > 0,
+        f"chunk_size must be None or a positive int, got {chunk_size!r}",
+    )
+
+    # the embeddings
+    shapes = f"{tuple(video.shape)}, {tuple(text.shape)}"
+    require(
+        video.dim() == text.dim() == 2
+        and video.shape[1] == text.shape[1]
+        and len(video)
+        and len(text),
+        f"expected video [B, D] and text [N, D], B, N > 0; got {shapes}",
+    )
+    t = torch.as_tensor(temperature).detach()
+    require(
+        t.numel() == 1 and 0 < t.item() < math.inf,
+        f"temperature must be one positive finite number, got {t}",
+    )
+    require(
+        torch.isfinite(video).all() and torch.isfinite(text).all(),
+        "the video or text embeddings hold NaN or inf (diverged, or an fp16 overflow?)",
+    )
+
+    # the bags and the exclusions: caption rows, -1 pads
+    exclude = bag_idx.new_empty(len(video), 0) if exclude_idx is None else exclude_idx
+    for name, index in (("bag_idx", bag_idx), ("exclude_idx", exclude)):
+        require(
+            index.dtype == torch.long and index.dim() == 2 and len(index) == len(video),
+            f"{name} must be a long tensor [B={len(video)}, A], "
+            f"got {index.dtype} {tuple(index.shape)}",
+        )
+        require(
+            not index.numel() or -1 <= index.min() <= index.max() < len(text),
+            f"{name} holds indices outside [-1, {len(text)}): N captions, -1 pads",
+        )
+    empty = (bag_idx < 0).all(dim=1).nonzero().flatten().tolist()
+    require(not empty, f"clips {empty} have an empty bag (a row of only -1)")
+    ordered = bag_idx.sort(dim=1).values
+    require(
+        not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
+        "a caption appears twice in one bag; list each caption of a bag once",
+    )
+    shared = (exclude[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
+    require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")
+    return exclude
 
 
 def _same_group_captions(groups, bag_idx, captions: int) -> tuple[torch.Tensor, torch.Tensor]:

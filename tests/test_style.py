@@ -99,6 +99,29 @@ def test_code_is_plain(path):
     assert plainness_faults(path.read_text()) == []
 
 
+def packed_assignments(source: str) -> int:
+    """Assignments of a tuple of values to a tuple of names (`a, b = x, y`)."""
+    return sum(
+        isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Tuple)
+        and isinstance(node.value, ast.Tuple)
+        for node in ast.walk(ast.parse(source))
+    )
+
+
+def test_packed_assignments_are_counted_and_unpacking_a_call_is_not():
+    assert packed_assignments("a, b = 1, 2\nc, d = f()\ne = 3, 4\n") == 1
+
+
+def test_the_core_packs_values_into_one_assignment_as_rarely_as_well_kept_code_does():
+    """A tuple assignment only for values that belong together (shapes, coordinates, a pair of
+    accumulators): at most 14 per 1,000 code lines, the top of the range in nanoGPT, minGPT,
+    luyug/GradCache, annotated-transformer and d2l."""
+    sources = [(ROOT / "gcbs_lib" / f"{name}.py").read_text() for name in CORE]
+    packed = sum(packed_assignments(source) for source in sources)
+    assert packed * 1000 <= 14 * package_lines(CORE)
+
+
 def test_the_core_and_the_package_stay_within_their_line_budgets():
     assert package_lines(CORE) <= CORE_BUDGET
     assert package_lines() <= PACKAGE_BUDGET
