@@ -169,7 +169,8 @@ class MilNce(Experiment):
         return video, (text[positions] * members).sum(1) / members.sum(1)
 
     def evaluate(self, model: nn.Module, split: str) -> Outputs:
-        """Text → video retrieval on the split's clips: each caption's clip's rank."""
+        """Text → video retrieval on the split's clips: each caption's clip's rank; its
+        cluster, the clip's video."""
         data = self.eval_sets[split]
         limit = self.options.eval_clips
         rows = np.array(fixed_subset(len(data["clip_video"]), limit, f"milnce-eval-{split}"))
@@ -179,7 +180,8 @@ class MilNce(Experiment):
         video = embed_in_batches(model.video, features, self.device)
         text = embed_in_batches(model.text, captions, self.device)
         ranks = retrieval_ranks(text, video, torch.arange(len(rows), device=self.device))
-        return {"clips": {"rank": ranks.tolist(), "candidates": [len(rows)] * len(rows)}}
+        clips = {"rank": ranks.tolist(), "candidates": [len(rows)] * len(rows)}
+        return {"clips": {**clips, "cluster": data["clip_video"][rows].tolist()}}
 
     @staticmethod
     def scores(outputs: Outputs) -> dict[str, float]:
