@@ -262,18 +262,17 @@ def compared(runs: dict, experiment: str, arm: str) -> tuple[dict, list]:
     each checkpoint, and each of them against the start and the trivial baseline (whose one run
     stands for every seed)."""
     seeds = sorted(set(runs[experiment, arm, "best"]) & set(runs[experiment, "random", "best"]))
+    names = {(a, "best"): a for a in (arm, "random", "start")}
+    names |= {(a, "last"): f"{a}@last" for a in (arm, "random")}
     named = {}
     for (e, name, checkpoint), by_seed in runs.items():
-        baseline = name.startswith("baseline")
-        if e == experiment and (name in (arm, "random", "start") or baseline):
-            at = "@last" if checkpoint == "last" else ""
-            named[name + at] = by_seed if baseline else {s: by_seed[s] for s in seeds}
-    pairs = [(arm, "random")]
-    if f"{arm}@last" in named and "random@last" in named:
-        pairs.append((f"{arm}@last", "random@last"))
-    for other in [n for n in named if n == "start" or n.startswith("baseline")]:
-        pairs += [("random", other), (arm, other)]
-    return named, pairs
+        if e == experiment and (name, checkpoint) in names:
+            named[names[name, checkpoint]] = {s: by_seed[s] for s in seeds}
+        if e == experiment and name.startswith("baseline"):
+            named[name] = by_seed
+    pairs = [(a, b) for a, b in ((arm, "random"), (f"{arm}@last", "random@last")) if a in named]
+    others = [n for n in named if n == "start" or n.startswith("baseline")]
+    return named, pairs + [(who, other) for other in others for who in ("random", arm)]
 
 
 def judge(runs: dict, boot, experiment, metric, arm, summaries, paper) -> tuple:
