@@ -110,8 +110,9 @@ class MarkdownTable(str):
 
 def arms_table(summaries, stand_in="not the paper's data") -> dict:
     """Show the table of the runs' test rows (start, random, each arm, Δ vs random paired by seed
-    with its 95 % t- and bootstrap intervals, the paper's Δ, the gated verdict, the epoch-0
-    diagnostics) and random's gain over the start; return its lines with a Δ, keyed "arm/metric"."""
+    at best dev and at the last step with their 95 % intervals, the paper's Δ, the gated verdict,
+    the epoch-0 diagnostics) and random's gain over the start; return its lines with a Δ, keyed
+    "arm/metric"."""
     from IPython.display import display
 
     rows = rows_of(summaries)
@@ -157,7 +158,7 @@ def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[s
 def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=None) -> None:
     """One comparison in three panels: each arm's dev `key` by step and the loss gap of its batches
     by epoch (mean ± 1 sd over seeds; the gaps printed too), and the test Δ of `lines` with their
-    95 % bootstrap intervals (seeds × test items) beside the paper's Δ (×), labelled `labels`."""
+    95 % intervals (seeds × test-item clusters) beside the paper's Δ (×), labelled `labels`."""
     _, (dev, gap, deltas) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
     plot_over_seeds(dev, summaries, arms, "dev", key)
     dev.set(ylabel=f"dev {key} (mean ± 1 sd)", title=title)
@@ -167,14 +168,16 @@ def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=N
     gap.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
     gap.xaxis.set_major_locator(MaxNLocator(integer=True))
     for y, line in enumerate(lines):
-        low, high = [line.delta if end is None else end for end in (line.boot_low, line.boot_high)]
+        low, high = line.best or (line.delta, line.delta)
         xerr = [[line.delta - low], [high - line.delta]]
         deltas.errorbar(line.delta, y, xerr=xerr, fmt="ok", capsize=4)
         if line.paper and line.paper.deltas:
             deltas.plot(line.paper.deltas, [y] * len(line.paper.deltas), "x", color="C3", ms=9)
     deltas.axvline(0, color="grey", lw=0.8)
     deltas.set_yticks(range(len(lines)), labels or [f"{line.arm}/{line.metric}" for line in lines])
-    deltas.set(xlabel="95 % bootstrap CI (× the paper's Δ)", ylim=(-0.7, len(lines) - 0.3))
+    deltas.set(
+        xlabel="95 % CI, seeds × test clusters (× the paper's Δ)", ylim=(-0.7, len(lines) - 0.3)
+    )
     deltas.set_title(f"{lines[0].metric}: Δ vs random")
     plt.tight_layout()
     plt.show()

@@ -126,22 +126,23 @@ PAPER_DELTAS = (
 # of one arm's values over seeds (sd None for one seed)
 Summary = namedtuple("Summary", "mean sd n")
 # One (experiment, metric, arm): the untrained start, random, the arm; the paired Δ (arm − random)
-# with its 95 % t-interval [low, high] over seeds both ran and its bootstrap interval [boot_low,
-# boot_high] over seeds and test items; the gate's reasons (empty: measurable); the verdict; the
-# paper's Δ (PaperDelta or None); the diagnostics of epoch 0 (random, arm) or None; the commit;
-# the differences by seed.
+# of best-dev checkpoints with its 95 % t-interval [low, high] over the seeds both ran and, from
+# per-item outputs, its 95 % interval `best` (`verdict.bootstrap`: seeds × test-item clusters); the
+# last step's Δ and interval; the gate's reasons; the verdict; each checkpoint's call ("" where
+# none); the paper's Δ (PaperDelta or None); the epoch-0 diagnostics {name: (random, arm)}; the test
+# clusters resampled; the commit; the differences by seed.
 TableLine = namedtuple(
     "TableLine",
-    "experiment metric arm model data profile start random kit delta low high boot_low boot_high "
-    "gate verdict paper loss_gap same_group commit differences",
+    "experiment metric arm model data profile start random kit delta low high best last_delta last "
+    "gate verdict calls paper diagnostics clusters commit differences",
 )
 # the checkpoint of per-item outputs → the prefix of its rows' metrics
 CHECKPOINTS = {"best": "test_", "last": "last_test_"}
-# the per-epoch diagnostics, result rows `<name>@epoch<N>`; the table shows the first two so far
+# per epoch; the last two, of GCBS's graph, where a run logs them
 DIAGNOSTICS = tuple(
-    "loss_gap same_group_pairs edges_per_item isolated_share dropped_again neighbours".split()
+    "loss_gap same_group_pairs neighbours edges_per_item isolated_share dropped_again".split()
 )
-TABLED = DIAGNOSTICS[:2]
+REGIME = DIAGNOSTICS[2:5]
 
 
 def summarize(values: list[float]) -> Summary | None:
@@ -203,7 +204,7 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
     "start", "random" and "baseline-*" (or one without an arm where there is none), never pooling
     rows of different experiment, model, data, profile or metric; the last step's rows and the
     diagnostics feed the lines of their test metric. With the runs' per-item `outputs` (records of
-    `record`), a test metric's line gets its bootstrap interval, the gate and a verdict."""
+    `record`), a test metric's line gets its intervals, the gate and a verdict."""
     groups = {}
     group_of = itemgetter("experiment", "model", "data", "profile", "metric")
     for row in map(check_row, rows):
@@ -215,59 +216,115 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
     for record in outputs:
         key = (record["experiment"], record["arm"], record["checkpoint"])
         runs.setdefault(key, {})[record["seed"]] = record["outputs"]
-    # Δ's intervals of every metric by (experiment, arm, checkpoint), drawn once for all its lines
-    boot = cache(lambda e, a, c: verdict.bootstrap(e, runs[e, a, c], runs[e, "random", c]))
+    # every interval of an (experiment, arm), drawn once for all its lines
+    boot = cache(lambda e, a: verdict.bootstrap(e, *compared(runs, e, a)))
     lines = []
     for (experiment, model, data, profile, metric), arms in groups.items():
         if metric.startswith("last_") or "@epoch" in metric:
             continue
         random, start = arms.get("random", {}), arms.get("start", {})
-        baselines = [v for a, v in arms.items() if a.startswith("baseline")]
-        baseline = statistics.fmean(baselines[0].values()) if baselines else None
+        last = groups.get((experiment, model, data, profile, f"last_{metric}"), {})
         shown = [a for a in arms if a not in ("start", "random") and not a.startswith("baseline")]
         for arm in shown or [None]:
             values = arms.get(arm, {})
-            differences = [values[s] - random[s] for s in sorted(set(values) & set(random))]
+            differences = paired(values, random)
+            last_differences = paired(last.get(arm, {}), last.get("random", {}))
             paper = paper_delta(experiment, arm, metric, data)
             names = (experiment, metric, arm, model, data, profile)
             summaries = [summarize(list(seeds.values())) for seeds in (start, random, values)]
             delta = statistics.fmean(differences) if differences else None
-            judged = (None, None, [], "")
+            last_delta = statistics.fmean(last_differences) if last_differences else None
+            judged = (None, None, [], "", ("", ""), "")
             if differences and metric.startswith("test_"):
-                judged = judge(runs, boot, experiment, metric, arm, summaries, baseline, paper)
-            measured = (delta, *interval(differences), *judged)
-            gaps = [first_epoch(groups, names[:1] + names[3:], name, arm) for name in TABLED]
+                judged = judge(runs, boot, experiment, metric, arm, summaries, paper)
+            best, last_interval, *said, clusters = judged
+            measured = (delta, *interval(differences), best, last_delta, last_interval, *said)
+            diagnostics = first_epoch(groups, names[:1] + names[3:], arm)
             lines.append(
-                TableLine(*names, *summaries, *measured, paper, *gaps, commit, differences)
+                TableLine(
+                    *names, *summaries, *measured, paper, diagnostics, clusters, commit, differences
+                )
             )
     return lines
 
 
-def first_epoch(groups: dict, where: tuple, name: str, arm: str) -> tuple[float, float] | None:
-    """The means over seeds of the diagnostic `name` at epoch 0 of random and `arm`, rows grouped
-    by (`where` = experiment, model, data, profile; metric); None where one is missing."""
-    diagnostic = groups.get((*where, f"{name}@epoch0"), {})
-    means = [summarize(list(diagnostic.get(a, {}).values())) for a in ("random", arm)]
-    return tuple(m.mean for m in means) if all(means) else None
+def paired(values: dict, random: dict) -> list[float]:
+    """values − random on each seed both have."""
+    return [values[s] - random[s] for s in sorted(set(values) & set(random))]
 
 
-def judge(runs: dict, boot, experiment, metric, arm, summaries, baseline, paper) -> tuple:
-    """(boot_low, boot_high, the gate's reasons, the verdict) of a test metric's line from the runs'
-    per-item outputs {(experiment, arm, checkpoint): {seed: Outputs}} and `boot`, their Δ's
-    bootstrap intervals by (experiment, arm, checkpoint)."""
+def first_epoch(groups: dict, where: tuple, arm: str) -> dict:
+    """{diagnostic: (random's, `arm`'s)}: the means over seeds at epoch 0 (None where missing) of
+    rows grouped by (`where` = experiment, model, data, profile; metric)."""
+    found = {}
+    for name in DIAGNOSTICS:
+        diagnostic = groups.get((*where, f"{name}@epoch0"), {})
+        means = [summarize(list(diagnostic.get(a, {}).values())) for a in ("random", arm)]
+        found[name] = tuple(m and m.mean for m in means)
+    return found
+
+
+def compared(runs: dict, experiment: str, arm: str) -> tuple[dict, list]:
+    """The runs {name: {seed: Outputs}} of `arm`'s line on the seeds it and random both ran (the
+    last step's named "<arm>@last"), and the pairs its verdict compares: the arm and random at
+    each checkpoint, and each of them against the start and the trivial baseline (whose one run
+    stands for every seed)."""
+    seeds = sorted(set(runs[experiment, arm, "best"]) & set(runs[experiment, "random", "best"]))
+    names = {(a, "best"): a for a in (arm, "random", "start")}
+    names |= {(a, "last"): f"{a}@last" for a in (arm, "random")}
+    named = {}
+    for (e, name, checkpoint), by_seed in runs.items():
+        if e == experiment and (name, checkpoint) in names:
+            named[names[name, checkpoint]] = {s: by_seed[s] for s in seeds}
+        if e == experiment and name.startswith("baseline"):
+            named[name] = by_seed
+    pairs = [(a, b) for a, b in ((arm, "random"), (f"{arm}@last", "random@last")) if a in named]
+    others = [n for n in named if n == "start" or n.startswith("baseline")]
+    return named, pairs + [(who, other) for other in others for who in ("random", arm)]
+
+
+def judge(runs: dict, boot, experiment, metric, arm, summaries, paper) -> tuple:
+    """(best-dev interval, last-step interval, the gate's reasons, the verdict, each checkpoint's
+    call, the clusters resampled) of a test metric's line from the runs' per-item outputs
+    {(experiment, arm, checkpoint): {seed: Outputs}} and `boot`, the intervals by (experiment,
+    arm). Only the pre-registered primary metric (the recipe's dev metric, which each profile
+    states) gets a verdict; other lines read "exploratory"."""
     if (experiment, arm, "best") not in runs:
-        return None, None, [], "no per-item test outputs: no verdict"
+        return None, None, [], "no per-item test outputs: no verdict", ("", ""), ""
     name = metric.removeprefix("test_")
-    best = boot(experiment, arm, "best")[name]
-    last = boot(experiment, arm, "last")[name] if (experiment, arm, "last") in runs else None
+    intervals = {pair: found[name] for pair, found in boot(experiment, arm).items()}
+    best = intervals[arm, "random"][1:]
+    last = intervals.get((f"{arm}@last", "random@last"), (None,))[1:] or None
     random = runs[experiment, "random", "best"]
+    clusters = clusters_text(random[min(random)])
+    kind = experiments.get(experiment)
+    if name != kind.dev_metric:
+        return best, last, [], "exploratory", ("", ""), clusters
     band = verdict.chance_band(experiment, random[min(random)])[name]
-    scratch = experiments.get(experiment).from_scratch
-    reasons = verdict.gate(metric, summaries[0], summaries[1], band, baseline, scratch)
+    held = summaries[0] and not kind.from_scratch
+    reasons = {
+        "start": verdict.within_chance("the start", metric, summaries[0].mean, band) if held else []
+    }
+    baseline = next((b for _, b in intervals if b.startswith("baseline")), None)
+    for who, summary in (("random", summaries[1]), (arm, summaries[2])):
+        label = verdict.NAMES.get(who, who)
+        gains = {"the start": intervals.get((who, "start"))}
+        gains["the trivial baseline"] = intervals.get((who, baseline))
+        reasons[who] = verdict.within_chance(label, metric, summary.mean, band)
+        reasons[who] += verdict.arm_gate(label, metric, gains, kind.minimum_gain)
     said = verdict.verdict(arm, metric, best, last, reasons)
-    if not reasons:
+    measured = not said.startswith("not measurable")
+    calls = tuple(verdict.called(arm, metric, *i) if measured and i else "" for i in (best, last))
+    if measured:
         said += where_paper(paper, *best)
-    return (*best, reasons, said)
+    gate = [why for whys in reasons.values() for why in whys]
+    return best, last, gate, said, calls, clusters
+
+
+def clusters_text(outputs: experiments.Outputs) -> str:
+    """What the bootstrap resamples in each task: "queries 28 of 651" (clusters of items)."""
+    members = {task: verdict.cluster_members(arrays) for task, arrays in outputs.items()}
+    return "; ".join(f"{task} {int(m.max()) + 1} of {len(m)}" for task, m in members.items())
 
 
 def number(x: float, scale: float | None = None, *, digits: int = 4, signed: bool = False) -> str:
@@ -280,19 +337,51 @@ def number(x: float, scale: float | None = None, *, digits: int = 4, signed: boo
     return f"{round(x, decimals) + 0.0:{'+' if signed else ''}.{digits}g}"
 
 
-def summary_text(s: Summary | None) -> str:
-    """A mean ± sd (n), the sd rounded to the decimals of its mean (see `number`)."""
-    if s is None:
-        return ""
-    sd = "" if s.sd is None else f" ± {number(s.sd, s.mean, digits=2)}"
-    return f"{number(s.mean)}{sd} (n={s.n})"
+def to_markdown(lines: list[TableLine]) -> str:
+    """The table in GitHub markdown: start | random | arm (mean ± sd, n) | Δ [95 % CI] and call of
+    best-dev checkpoints and of the last step | paper Δ | verdict | clusters | epoch-0 diagnostics
+    | …, sds and Δs rounded to the decimals of their mean (see `number`). The best-dev CI is
+    `verdict.bootstrap`'s, else (no per-item outputs) the t-interval over seeds."""
 
+    def summary(s: Summary | None) -> str:
+        if s is None:
+            return ""
+        sd = "" if s.sd is None else f" ± {number(s.sd, s.mean, digits=2)}"
+        return f"{number(s.mean)}{sd} (n={s.n})"
 
-def interval_text(low: float | None, high: float | None, scale: float) -> str:
-    """[low, high] signed and rounded like the Δ they bound; "" where there is none."""
-    if low is None:
-        return ""
-    return f"[{number(low, scale, signed=True)}, {number(high, scale, signed=True)}]"
+    def pair(values: tuple, scale: float | None = None, signed: bool = False) -> str:
+        if all(v is None for v in values):
+            return ""
+        return " / ".join("—" if v is None else number(v, scale, signed=signed) for v in values)
+
+    def delta(value, bounds, call, scale) -> str:
+        if value is None:
+            return ""
+        text = number(value, scale, signed=True)
+        if bounds and bounds[0] is not None:
+            text += f" [{pair(bounds, scale, True).replace(' / ', ', ')}]"
+        return f"{text}: {call}" if call else text
+
+    out = [
+        "| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ best dev [95 % CI] "
+        "| Δ last step [95 % CI] | paper Δ | verdict | test clusters of items (resampled) "
+        "| loss gap, epoch 0 (random / arm) | same-group pairs, epoch 0 (random / arm) "
+        "| regime, epoch 0: neighbours k, edges per item, isolated share (arm) "
+        "| data | model | profile | commit |",
+        "|---" * 18 + "|",
+    ]
+    for line in lines:
+        scale = (line.random or line.kit or line.start).mean
+        best = delta(line.delta, line.best or (line.low, line.high), line.calls[0], scale)
+        last = delta(line.last_delta, line.last, line.calls[1], scale)
+        summaries = [summary(s) for s in (line.start, line.random)]
+        cells = (line.experiment, line.metric, *summaries, line.arm, summary(line.kit), best, last)
+        diagnosed = [pair(line.diagnostics[name]) for name in DIAGNOSTICS[:2]]
+        regime = pair(tuple(line.diagnostics[name][1] for name in REGIME))
+        cells += (paper_text(line.paper), line.verdict, line.clusters, *diagnosed, regime)
+        cells += (line.data, line.model, line.profile, line.commit)
+        out.append(markdown_row(cells))
+    return "\n".join(out) + "\n"
 
 
 def paper_text(paper: PaperDelta | None) -> str:
@@ -305,39 +394,10 @@ def markdown_row(cells) -> str:
     return "| " + " | ".join((c or "—").replace("|", "\\|") for c in cells) + " |"
 
 
-def to_markdown(lines: list[TableLine]) -> str:
-    """The table in GitHub markdown: start | random | arm (mean ± sd, n) | Δ [95 % t-interval] |
-    [95 % bootstrap] | paper Δ | verdict | epoch-0 diagnostics | …, sds and Δs rounded to the
-    decimals of their mean (see `number`)."""
-
-    def pair(values: tuple | None) -> str:
-        return "" if values is None else " / ".join(number(v) for v in values)
-
-    out = [
-        "| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ [95 % t, seeds] "
-        "| Δ 95 % bootstrap (seeds × test items) | paper Δ | verdict | loss gap, epoch 0 "
-        "(random / arm) | same-group pairs, epoch 0 (random / arm) | data | model | profile "
-        "| commit |",
-        "|---" * 16 + "|",
-    ]
-    for line in lines:
-        scale = (line.random or line.kit or line.start).mean
-        delta = "" if line.delta is None else number(line.delta, scale, signed=True)
-        delta = f"{delta} {interval_text(line.low, line.high, scale)}".strip()
-        boot = interval_text(line.boot_low, line.boot_high, scale)
-        summaries = [summary_text(s) for s in (line.start, line.random)]
-        cells = (line.experiment, line.metric, *summaries, line.arm, summary_text(line.kit))
-        cells += (delta, boot, paper_text(line.paper), line.verdict)
-        cells += (pair(line.loss_gap), pair(line.same_group))
-        cells += (line.data, line.model, line.profile, line.commit)
-        out.append(markdown_row(cells))
-    return "\n".join(out) + "\n"
-
-
 def headline(lines: list[TableLine]) -> str:
     """The README's short table: each comparison's Δ (arm − random) on its primary metric (the
-    test score of the experiment's `dev_metric`) with the bootstrap interval its verdict reads,
-    the verdict and the paper's Δ."""
+    test score of the experiment's `dev_metric`) at best-dev checkpoints with the interval its
+    verdict reads, the verdict and the paper's Δ."""
     out = [
         "| experiment | metric | Δ vs random [95 % interval] | verdict | paper Δ |",
         "|---" * 5 + "|",
@@ -345,8 +405,9 @@ def headline(lines: list[TableLine]) -> str:
     for line in lines:
         if line.verdict and line.metric == "test_" + experiments.get(line.experiment).dev_metric:
             scale = line.random.mean
-            delta = number(line.delta, scale, signed=True)
-            delta = f"{delta} {interval_text(line.boot_low, line.boot_high, scale)}".strip()
+            low, high = line.best or (line.low, line.high)
+            delta = f"{number(line.delta, scale, signed=True)} [{number(low, scale, signed=True)}, "
+            delta += f"{number(high, scale, signed=True)}]"
             cells = (line.experiment, line.metric, delta, line.verdict, paper_text(line.paper))
             out.append(markdown_row(cells))
     return "\n".join(out) + "\n"
@@ -354,22 +415,34 @@ def headline(lines: list[TableLine]) -> str:
 
 def to_csv(lines: list[TableLine]) -> str:
     """The table as CSV, numbers unrounded: one row per line, the mean, sd and n of start, random
-    and the arm, then Δ, its intervals, the paper's Δ, the gate, the verdict and the diagnostics."""
+    and the arm, then Δ, its intervals, the last step's Δ and interval, the paper's Δ, the gate,
+    the verdict, the clusters and the diagnostics."""
     out = io.StringIO()
     writer = csv.writer(out)
     summaries = [f"{who}_{part}" for who in ("start", "random", "arm") for part in Summary._fields]
     names = list(TableLine._fields[:6])  # experiment metric arm model data profile
-    diagnostics = [f"{name}_{who}" for name in TABLED for who in ("random", "arm")]
-    tail = ["delta", "low", "high", "boot_low", "boot_high", "paper_delta", "gate", "verdict"]
-    writer.writerow(names + summaries + tail + diagnostics + ["commit"])
+    diagnostics = [f"{name}_{who}" for name in DIAGNOSTICS for who in ("random", "arm")]
+    numbers = [
+        "delta",
+        "low",
+        "high",
+        "best_low",
+        "best_high",
+        "last_delta",
+        "last_low",
+        "last_high",
+    ]
+    tail = ["paper_delta", "gate", "verdict", "clusters"]
+    writer.writerow(names + summaries + numbers + tail + diagnostics + ["commit"])
     for line in lines:
         arms = (line.start, line.random, line.kit)
         stats = [s and getattr(s, part) for s in arms for part in Summary._fields]
+        intervals = [*(line.best or (None, None)), line.last_delta, *(line.last or (None, None))]
         paper = deltas_text(line.paper.deltas) if line.paper else ""
-        numbers = [line.delta, line.low, line.high, line.boot_low, line.boot_high]
-        diagnosed = [*(line.loss_gap or (None, None)), *(line.same_group or (None, None))]
-        said = [paper, "; ".join(line.gate), line.verdict]
-        writer.writerow([*line[:6], *stats, *numbers, *said, *diagnosed, line.commit])
+        said = [paper, "; ".join(line.gate), line.verdict, line.clusters]
+        diagnosed = [m for name in DIAGNOSTICS for m in line.diagnostics[name]]
+        row = [*line[:6], *stats, line.delta, line.low, line.high, *intervals, *said, *diagnosed]
+        writer.writerow(row + [line.commit])
     return out.getvalue()
 
 

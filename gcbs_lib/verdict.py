@@ -1,50 +1,102 @@
-"""The verdict protocol (DESIGN.md) from per-item test outputs (`experiments.Outputs`): a paired
-hierarchical bootstrap over seeds and test items, the chance band of a permutation null, the gate
-and the verdict. Draws are seeded, so `results verify` recomputes every committed interval."""
+"""The verdict protocol, v2 (the README's results section states it; `python -m gcbs_lib.results
+verify` recomputes it) from per-item test outputs (`experiments.Outputs`): a paired bootstrap over
+seeds and clusters of test items with a small-sample t check on its seed part, the chance band of a
+permutation null, the gate on interval bounds for both arms, and the verdict. Draws are seeded, so
+every committed interval recomputes."""
 
 import statistics
 
 import numpy as np
+import scipy.stats
 
 from gcbs_lib import experiments
 
 DRAWS = 1000  # bootstrap resamples
 NULL_DRAWS = 200  # permutations of the chance band
-MARGIN = 3  # the gate's margins, in sd
+MARGIN = 3  # the chance band's margin, in sd
+NAMES = {"gcbs": "GCBS"}  # an arm's name in a verdict
 
 
 def resampled(outputs: experiments.Outputs, picks: dict[str, np.ndarray]) -> experiments.Outputs:
-    """`outputs` with each task's items `picks[task]` (indices, repeats allowed)."""
+    """`outputs` with each task's items `picks[task]` (indices, repeats allowed), as arrays, less
+    the clusters (no metric reads them)."""
     return {
-        task: {name: np.asarray(values)[picks[task]] for name, values in arrays.items()}
+        task: {name: np.asarray(v)[picks[task]] for name, v in arrays.items() if name != "cluster"}
         for task, arrays in outputs.items()
     }
 
 
-def bootstrap(
-    experiment: str, arm: dict, random: dict, draws: int = DRAWS
-) -> dict[str, tuple[float, float]]:
-    """The 95 % percentile interval of Δ = mean over seeds of (arm − random), for every metric,
-    from `draws` that resample the seeds both ran (paired) and, within each task, the test items
-    (the same items for every run of a draw); `arm`, `random`: {seed: Outputs}."""
+def cluster_members(arrays: dict[str, list]) -> np.ndarray:
+    """[items, k]: the clusters of each test item, numbered 0 … C−1: its "cluster" (an id, or a
+    list of ids: a Lee pair's two documents), else one cluster per item."""
+    clusters = arrays.get("cluster", range(len(next(iter(arrays.values())))))
+    number = {}
+    ids = [tuple(c) if isinstance(c, list | tuple) else (c,) for c in clusters]
+    return np.array([[number.setdefault(i, len(number)) for i in item] for item in ids])
+
+
+def drawn_items(members: np.ndarray, generator) -> np.ndarray:
+    """The item indices of one draw: C clusters drawn with replacement, each item taken as often
+    as the product of its clusters' draws, so a cluster's items stay together (a pair of
+    documents: as often as it occurs among the drawn documents' pairs)."""
+    count = int(members.max()) + 1
+    draws = np.bincount(generator.integers(0, count, count), minlength=count)
+    return np.repeat(np.arange(len(members)), draws[members].prod(axis=1))
+
+
+def bootstrap(experiment: str, runs: dict, pairs: list[tuple[str, str]], draws=DRAWS) -> dict:
+    """Δ = mean over seeds of (a − b) and its 95 % interval, for each (a, b) of `pairs` and every
+    metric: {(a, b): {metric: (Δ, low, high)}}. `runs`: {name: {seed: Outputs}}, every name on the
+    same seeds but a baseline's one run, which stands for every seed. Each draw resamples the seeds
+    (paired) and, within each task, the clusters of test items (the same for every run). The
+    interval is the wider of the draws' percentile interval and `welch_t`'s, whose seed part has
+    n − 1 degrees of freedom (a percentile bootstrap over 4–6 seeds is too narrow)."""
     scores = experiments.get(experiment).scores
-    seeds = sorted(set(arm) & set(random))
-    sizes = {task: len(next(iter(a.values()))) for task, a in arm[seeds[0]].items()}
+    first = runs[pairs[0][0]]
+    members = {task: cluster_members(arrays) for task, arrays in first[min(first)].items()}
+    every = {task: np.arange(len(m)) for task, m in members.items()}
+    runs = {name: [resampled(o, every) for _, o in sorted(r.items())] for name, r in runs.items()}
+    metrics = list(scores(runs[pairs[0][0]][0]))
+
+    def scored(picks: dict) -> dict:
+        """{name: [seeds, metrics]} on the items `picks`."""
+        return {
+            name: np.array([list(scores(resampled(o, picks)).values()) for o in by_seed])
+            for name, by_seed in runs.items()
+        }
+
     generator = np.random.default_rng(0)
-    deltas = []
+    full = scored(every)
+    spread, items = {key: [] for key in pairs}, {key: [] for key in pairs}
     for _ in range(draws):
-        drawn = generator.choice(seeds, len(seeds))
-        picks = {task: generator.integers(0, n, n) for task, n in sizes.items()}
-        difference = {}
-        for seed in set(drawn.tolist()):
-            ours, theirs = (scores(resampled(runs[seed], picks)) for runs in (arm, random))
-            difference[seed] = {metric: ours[metric] - theirs[metric] for metric in ours}
-        metrics = difference[drawn[0]]
-        deltas.append({m: statistics.fmean(difference[s][m] for s in drawn) for m in metrics})
-    return {
-        metric: tuple(float(x) for x in np.percentile([d[metric] for d in deltas], [2.5, 97.5]))
-        for metric in deltas[0]
-    }
+        drawn = generator.choice(len(first), len(first))
+        values = scored({task: drawn_items(m, generator) for task, m in members.items()})
+        for a, b in pairs:
+            spread[a, b].append((values[a] - values[b])[drawn].mean(axis=0))
+            items[a, b].append((values[a] - values[b]).mean(axis=0))
+    intervals = {}
+    for a, b in pairs:
+        boot = np.percentile(spread[a, b], [2.5, 97.5], axis=0).T
+        t = [welch_t(d, v) for d, v in zip((full[a] - full[b]).T, np.var(items[a, b], axis=0))]
+        wider = [max(p, q or p, key=lambda bounds: bounds[1] - bounds[0]) for p, q in zip(boot, t)]
+        deltas = (full[a] - full[b]).mean(axis=0)
+        intervals[a, b] = {m: (d, *map(float, w)) for m, d, w in zip(metrics, deltas, wider)}
+    return intervals
+
+
+def welch_t(per_seed: np.ndarray, item_variance: float) -> tuple[float, float] | None:
+    """The 95 % t-interval of the mean of `per_seed` differences whose variance adds the seeds'
+    s²/n and the test items' `item_variance` (the draws' spread with the seeds held), its degrees
+    of freedom by Satterthwaite: n − 1 when the seeds' part dominates, ∞ when the items' does;
+    None below two seeds."""
+    n = len(per_seed)
+    if n < 2:
+        return None
+    seed_part = np.var(per_seed, ddof=1) / n
+    total = seed_part + item_variance
+    freedom = (n - 1) * total**2 / seed_part**2 if seed_part > 0 else np.inf
+    half = scipy.stats.t.ppf(0.975, freedom) * np.sqrt(total)
+    return float(np.mean(per_seed) - half), float(np.mean(per_seed) + half)
 
 
 def null_outputs(outputs: experiments.Outputs, generator) -> experiments.Outputs:
@@ -71,28 +123,41 @@ def chance_band(experiment: str, outputs: experiments.Outputs) -> dict[str, tupl
     }
 
 
-def gate(metric: str, start, random, band: tuple, baseline: float | None, scratch=False) -> list:
-    """Why this comparison cannot measure anything (empty: it can): `start`, `random`: Summaries of
-    the untrained model and the random arm, `band`: the chance band's (mean, sd), `baseline`: the
-    trivial scorer's value or None; a `scratch` start (a random init) is not held to chance."""
-    sign = -1 if metric.endswith("median_rank") else 1  # lower is better
-    chance = band[0] + sign * MARGIN * band[1]
+def sign_of(metric: str) -> int:
+    """−1 where lower is better (median rank), else 1."""
+    return -1 if metric.endswith("median_rank") else 1
+
+
+def within_chance(name: str, metric: str, mean: float, band: tuple) -> list[str]:
+    """["<name> within chance (…)"] if `mean` does not clear the chance band (mean, sd) by
+    `MARGIN` sd in the metric's better direction, else []."""
+    chance = band[0] + sign_of(metric) * MARGIN * band[1]
+    if sign_of(metric) * (mean - chance) > 0:
+        return []
+    return [f"{name} within chance ({band[0]:.3g} ± {MARGIN}·{band[1]:.2g})"]
+
+
+def arm_gate(name: str, metric: str, gains: dict, minimum: float = 0.0) -> list[str]:
+    """Why arm `name` shows no learning here (empty: it does): the lower bound of its gain over
+    the start, or over the trivial baseline, not above 0 (above `minimum` for the start, where a
+    profile pre-registers one). `gains`: {"the start" | "the trivial baseline": (Δ, low, high) or
+    None}; a negative gain is said as negative."""
     reasons = []
-    for name, summary in (("the start", None if scratch else start), ("random", random)):
-        if summary and sign * (summary.mean - chance) <= 0:
-            reasons.append(f"{name} within chance ({band[0]:.3g} ± {MARGIN}·{band[1]:.2g})")
-    if baseline is not None and sign * (random.mean - baseline) <= 0:
-        reasons.append(f"random not above the trivial baseline ({baseline:.3g})")
-    if start and sign * (random.mean - start.mean) <= MARGIN * (random.sd or float("inf")):
-        reasons.append(f"random's gain over the start under {MARGIN} seed sd")
+    for what, (delta, low, high) in [(w, g) for w, g in gains.items() if g]:
+        gain, bound = sign_of(metric) * delta, min(sign_of(metric) * low, sign_of(metric) * high)
+        floor = minimum if what == "the start" else 0.0
+        if bound <= floor:
+            status = "negative" if gain < 0 else f"not above {floor:g}"
+            interval = f"{delta:+.3g} [{low:+.3g}, {high:+.3g}]"
+            reasons.append(f"{name}'s gain over {what} {status}: {interval}")
     return reasons
 
 
 def called(arm: str, metric: str, low: float, high: float) -> str:
     """ "GCBS better" (the interval above 0; below 0 where lower is better), "GCBS worse", or
     "not resolved"."""
-    gain = sorted((-high, -low) if metric.endswith("median_rank") else (low, high))
-    name = {"gcbs": "GCBS"}.get(arm, arm)
+    gain = sorted((sign_of(metric) * low, sign_of(metric) * high))
+    name = NAMES.get(arm, arm)
     if gain[0] > 0:
         return f"{name} better"
     if gain[1] < 0:
@@ -100,14 +165,17 @@ def called(arm: str, metric: str, low: float, high: float) -> str:
     return "not resolved"
 
 
-def verdict(arm: str, metric: str, best: tuple, last: tuple | None, reasons: list[str]) -> str:
-    """The verdict on the best-dev checkpoint's bootstrap interval `best` and the last step's
-    `last`: "depends on checkpoint selection" where they differ; "not measurable here" where the
-    gate gave `reasons`."""
-    if reasons:
-        return "not measurable here: " + "; ".join(reasons)
+def verdict(arm: str, metric: str, best: tuple, last: tuple | None, reasons: dict) -> str:
+    """The verdict on the best-dev checkpoint's interval `best` and the last step's `last`:
+    "depends on checkpoint selection" where they differ; "not measurable here" where the start
+    failed the gate or both arms did (`reasons`: {"start" | arm name: [why]}); an arm's failed
+    gate is said beside a verdict the other arm's passed gate allows."""
+    failed = [why for whys in reasons.values() for why in whys]
+    arms = [name for name in reasons if name != "start"]
+    if reasons.get("start") or all(reasons[name] for name in arms):
+        return "not measurable here: " + "; ".join(failed)
     said = called(arm, metric, *best)
     at_last = said if last is None else called(arm, metric, *last)
     if at_last != said:
-        return f"depends on checkpoint selection (best dev: {said}; last step: {at_last})"
-    return said
+        said = f"depends on checkpoint selection (best dev: {said}; last step: {at_last})"
+    return f"{said} ({'; '.join(failed)})" if failed else said

@@ -335,10 +335,10 @@ plot_comparison(summaries, arms, "mrr", lines, f"code search dev MRR ({profile} 
 rows = rows_of(summaries)
 record(rows, "04_gcbs_codesearch", outputs_of(summaries))
 for arm in [a for a in arms if a != "random"]:
-    line = delta[f"{arm}/test_mrr"]  # Δ paired by seed; its 95 % bootstrap over seeds × queries
-    interval = "—" if line.boot_low is None else f"[{line.boot_low:+.4f}, {line.boot_high:+.4f}]"
+    line = delta[f"{arm}/test_mrr"]  # Δ paired by seed; its 95 % interval over seeds × modules
+    interval = "—" if line.best is None else f"[{line.best[0]:+.4f}, {line.best[1]:+.4f}]"
     print(
-        f"{arm}: Δ test MRR {line.delta:+.4f} over {line.kit.n} seeds, 95 % bootstrap {interval} "
+        f"{arm}: Δ test MRR {line.delta:+.4f} over {line.kit.n} seeds, 95 % interval {interval} "
         f"(paper: {line.paper and deltas_text(line.paper.deltas)}): {line.verdict} "
         f"[{experiment.data_name}, {experiment.model_name}, profile {profile}]"
     )

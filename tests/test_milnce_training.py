@@ -63,3 +63,15 @@ def test_training_on_planted_data_lifts_r10_far_above_chance(tmp_path):
 
 def test_bags_of_three_beat_single_captions_when_narration_is_misaligned(tmp_path):
     assert planted_r10(tmp_path, 8.0, 3) > planted_r10(tmp_path, 8.0, 1) + 0.05
+
+
+def test_each_test_clip_is_clustered_by_its_video_and_planted_features_have_no_baseline(tmp_path):
+    config = load_config("milnce", "ci", {"data_dir": str(tmp_path / "planted")})
+    experiment = MilNce(config.options, seed=0, device="cpu")
+    experiment.load_data()
+    outputs = experiment.evaluate(experiment.build_model(), "test")["clips"]
+    # the bootstrap resamples videos: a video's clips are not independent test items
+    assert outputs["cluster"] == experiment.eval_sets["test"]["clip_video"].tolist()
+    assert len(outputs["rank"]) == 144 and len(set(outputs["cluster"])) == 24
+    # planted features are no text encoder's: no zero-training caption retrieval to compare with
+    assert experiment.baseline() is None

@@ -226,7 +226,7 @@ def test_a_failing_notebook_exits_non_zero_naming_its_cell_and_the_others_still_
     # no test metric and no per-item outputs: a Δ, no verdict (tests/test_verdict.py)
     assert (
         "| toy | score | — | 3.5 ± 0.71 (n=2) | gcbs | 4.5 ± 0.71 (n=2) | +1 [+1, +1] | — | — | — "
-        "| — | — | planted | none | ci |"
+        "| — | — | — | — | planted | none | ci |"
     ) in table
     toy, other = table.split("## toy\n")[1].split("## other\n")  # one table per experiment
     # the same table as CSV, numbers unrounded

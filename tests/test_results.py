@@ -173,7 +173,7 @@ def test_the_paper_delta_is_that_of_the_dataset_the_data_is_or_copies(data, delt
     assert line.paper.deltas == deltas
 
 
-def test_markdown_shows_start_random_arm_delta_intervals_paper_verdict_and_diagnostics():
+def test_markdown_shows_start_random_arm_both_checkpoints_paper_verdict_and_diagnostics():
     rows = [
         row("random", 0, 0.5),
         row("random", 1, 0.7),
@@ -182,19 +182,24 @@ def test_markdown_shows_start_random_arm_delta_intervals_paper_verdict_and_diagn
         row("start", 0, 0.25),
         row("start", 1, 0.25),
     ]
+    last = [row(r["arm"], r["seed"], r["value"] - 0.1, metric="last_test_mrr") for r in rows[:4]]
     gaps = [
         row(arm, seed, gap, metric="loss_gap@epoch0")
         for arm, gap in (("random", 1.7), ("gcbs", 1.3))
         for seed in (0, 1)
     ]
-    lines = build_table(rows + gaps)
+    # GCBS's graph: neighbours per item k and the edges each item has
+    regime = [row("gcbs", 0, 5.1, metric="neighbours@epoch0")]
+    regime += [row("gcbs", 0, 0.25, metric="edges_per_item@epoch0")]
+    lines = build_table(rows + last + gaps + regime)
     assert to_markdown(lines).splitlines()[2] == (
         "| codesearch | test_mrr | 0.25 ± 0 (n=2) | 0.6 ± 0.14 (n=2) | gcbs | 0.75 ± 0.21 (n=2) | "
-        "+0.15 [-0.4853, +0.7853] | — | +0.0100 / +0.0200 / +0.0220 (CosQA / AdvTest / "
-        "CodeSearchNet, UniXcoder) | no per-item test outputs: no verdict | 1.7 / 1.3 | — | "
-        "stdlib-docstrings | all-MiniLM-L6-v2 | cpu | — |"
+        "+0.15 [-0.4853, +0.7853] | +0.15 | +0.0100 / +0.0200 / +0.0220 (CosQA / AdvTest / "
+        "CodeSearchNet, UniXcoder) | no per-item test outputs: no verdict | — | 1.7 / 1.3 | — | "
+        "5.1 / 0.25 | stdlib-docstrings | all-MiniLM-L6-v2 | cpu | — |"
     )
-    assert len(lines) == 1  # the diagnostics are columns, not lines
+    assert len(lines) == 1  # the last step and the diagnostics are columns, not lines
+    assert lines[0].diagnostics["neighbours"] == (None, 5.1)
 
 
 def test_float_round_off_of_a_delta_prints_as_zero_at_the_precision_of_its_mean():

@@ -70,6 +70,7 @@ class RetrievalTask(NamedTuple):
     positive: torch.Tensor  # LongTensor [Q]: the pool row of each query's match, −1: none
     missing: int  # queries with no match
     repeated: int  # repeated pool keys
+    sources: list[str]  # each query's `source_of` its key
 
 
 def retrieval_task(query_file: str | Path, pool_file: str | Path | None = None) -> RetrievalTask:
@@ -85,4 +86,12 @@ def retrieval_task(query_file: str | Path, pool_file: str | Path | None = None) 
     texts = [e["query"] for e in queries]
     codes = [pool[r]["code"] for r in first.values()]
     missing = int((positive < 0).sum())
-    return RetrievalTask(texts, codes, positive, missing, len(pool) - len(first))
+    sources = [source_of(e["key"]) for e in queries]
+    return RetrievalTask(texts, codes, positive, missing, len(pool) - len(first), sources)
+
+
+def source_of(key: str) -> str:
+    """The unit a test split is drawn by, from an example's key: a GitHub url's repository, a
+    stand-in url's top-level module (`python-3.11.7-stdlib/email`), else the key (CosQA's index)."""
+    parts = key.partition("#")[0].removeprefix("https://").split("/")
+    return "/".join(parts[: 3 if parts[0] == "github.com" else 2]).removesuffix(".py")

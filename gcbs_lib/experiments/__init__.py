@@ -61,6 +61,7 @@ class Experiment(ABC):
     in_batch_negatives = True  # `mask_same_group` applies (MoCo's negatives: an ungrouped queue)
     config: str | None = None  # configs/<config>.yaml holds its profiles (default: its own name)
     from_scratch = False  # the start is a random init (the gate does not hold it to chance)
+    minimum_gain = 0.0  # pre-registered: the least gain over the start that counts as training
 
     def __init__(self, options, *, seed: int, device):
         self.options, self.seed, self.device = options, seed, torch.device(device)

@@ -84,8 +84,12 @@ class CodeSearch(Experiment):
                     f"{task.repeated} repeated keys (first kept)"
                 )
             keep = fixed_subset(len(task.queries), o.eval_limit, f"{split}-subset")
-            queries = [task.queries[i] for i in keep]
-            self.tasks[split] = task._replace(queries=queries, positive=task.positive[keep])
+            queries, sources = (
+                [values[i] for i in keep] for values in (task.queries, task.sources)
+            )
+            self.tasks[split] = task._replace(
+                queries=queries, positive=task.positive[keep], sources=sources
+            )
         self.train = [pairs[i] for i in fixed_subset(len(pairs), o.train_limit, "train-subset")]
         modules = [pair["key"].partition("#")[0] for pair in self.train]  # a url's file
         return TrainSet(len(self.train), duplicate_groups(self.train), modules)
@@ -116,13 +120,17 @@ class CodeSearch(Experiment):
         return tuple(model(to_device(inputs, self.device)) for inputs in batch.inputs)
 
     def evaluate(self, model: nn.Module, split: str) -> Outputs:
-        """The rank of each of the split's queries' code in its whole pool."""
+        """The rank of each of the split's queries' code in its whole pool; its cluster, the
+        source (module, repository) it comes from."""
         task = self.tasks[split]
         queries = self.embed(model, task.queries, "query")
         pool = self.embed(model, task.codes, "code")
         ranks = retrieval_ranks(queries, pool, task.positive.clamp(0))
         ranks = ranks.masked_fill(task.positive < 0, 1001 + len(pool))  # no match: scored 0
-        return {"queries": {"rank": ranks.tolist(), "candidates": [len(pool)] * len(ranks)}}
+        candidates = [len(pool)] * len(ranks)
+        return {
+            "queries": {"rank": ranks.tolist(), "candidates": candidates, "cluster": task.sources}
+        }
 
     @staticmethod
     def scores(outputs: Outputs) -> dict[str, float]:

@@ -25,7 +25,7 @@ from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_
 from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import mil_nce
 from gcbs_lib.metrics import median_rank, recall_at, retrieval_ranks
-from gcbs_lib.models import PAD_ID, HashingTokenizer
+from gcbs_lib.models import PAD_ID, HashingTokenizer, text_encoder
 from gcbs_lib.seeding import fixed_subset, generator, stream_seed
 
 NAMES = {"python-doc": "python3.11-doc-sections", "howto100m": "paper"}  # planted: planted-sigma<σ>
@@ -173,17 +173,36 @@ class MilNce(Experiment):
         return video, (text[positions] * members).sum(1) / members.sum(1)
 
     def evaluate(self, model: nn.Module, split: str) -> Outputs:
-        """Text → video retrieval on the split's clips: each caption's clip's rank."""
+        """Text → video retrieval on the split's clips (`retrieval`)."""
+        return self.retrieval(split, model.video, model.text, self.tokenize)
+
+    def baseline(self) -> tuple[str, Outputs] | None:
+        """Zero-training retrieval where the clip features are a text encoder's (the python-doc
+        stand-in's 2d stream, all-MiniLM-L6-v2 of the code shown): each caption embedded by that
+        frozen encoder against them; none for planted or HowTo100M's visual features."""
+        if self.options.source != "python-doc":
+            return None
+        encoder = text_encoder("minilm", max_length=256)
+        width = howto100m.features_of(self.store, self.bags, np.arange(1)).shape[1]
+        # zeros against the 3d stream's columns: each score is the cosine with the 2d features
+        pad = nn.ConstantPad1d((0, width - encoder.backbone.config.hidden_size), 0.0)
+        text = nn.Sequential(encoder, pad)
+        return "minilm-captions", self.retrieval("test", nn.Identity(), text, encoder.tokenize)
+
+    def retrieval(self, split: str, encode_video: nn.Module, encode_text: nn.Module, tokenize):
+        """Each caption's clip's rank among the split's clips by `encode_video` of their features
+        and `encode_text` of the captions' `tokenize` tokens; its cluster, the clip's video."""
         data = self.eval_sets[split]
         limit = self.options.eval_clips
         rows = np.array(fixed_subset(len(data["clip_video"]), limit, f"milnce-eval-{split}"))
         chunks = np.array_split(rows, -(-len(rows) // 1024))  # embedded 1024 at a time
         features = (torch.from_numpy(howto100m.features_of(self.store, data, c)) for c in chunks)
-        captions = (self.tokenize([t.decode() for t in data["text"][c]]) for c in chunks)
-        video = embed_in_batches(model.video, features, self.device)
-        text = embed_in_batches(model.text, captions, self.device)
+        captions = (tokenize([t.decode() for t in data["text"][c]]) for c in chunks)
+        video = embed_in_batches(encode_video, features, self.device)
+        text = embed_in_batches(encode_text, captions, self.device)
         ranks = retrieval_ranks(text, video, torch.arange(len(rows), device=self.device))
-        return {"clips": {"rank": ranks.tolist(), "candidates": [len(rows)] * len(rows)}}
+        clips = {"rank": ranks.tolist(), "candidates": [len(rows)] * len(rows)}
+        return {"clips": {**clips, "cluster": data["clip_video"][rows].tolist()}}
 
     @staticmethod
     def scores(outputs: Outputs) -> dict[str, float]:

@@ -89,7 +89,8 @@ class SimCSE(Experiment):
         return z, z
 
     def evaluate(self, model: nn.Module, split: str) -> Outputs:
-        """Each pair's cosine (to 6 decimals) and gold score, task by task."""
+        """Each pair's cosine (to 6 decimals) and gold score, task by task; a Lee pair's cluster,
+        its two documents (numbered by text)."""
         outputs = {}
         for name, (first, second, gold) in self.tasks[split].items():
             # a Lee document is in 24 pairs: encode it once
@@ -97,6 +98,9 @@ class SimCSE(Experiment):
             vectors = self.embed(model, distinct.tolist())[torch.from_numpy(rows)]
             cosines = F.cosine_similarity(*vectors.split(len(first)), dim=-1)
             outputs[name] = pair_outputs(cosines.numpy(), gold)
+            # Lee's pairs are all pairs of 25 documents: the bootstrap resamples documents
+            if name == "lee":
+                outputs[name]["cluster"] = rows.reshape(2, -1).T.tolist()
         return outputs
 
     def baseline(self) -> tuple[str, Outputs]:
