@@ -337,6 +337,23 @@ def number(x: float, scale: float | None = None, *, digits: int = 4, signed: boo
     return f"{round(x, decimals) + 0.0:{'+' if signed else ''}.{digits}g}"
 
 
+def values_text(values: tuple, scale: float | None = None, signed: bool = False) -> str:
+    """Numbers joined by " / ", "—" for a missing one; "" when all are missing."""
+    if all(v is None for v in values):
+        return ""
+    return " / ".join("—" if v is None else number(v, scale, signed=signed) for v in values)
+
+
+def delta_text(value, bounds, call: str, scale: float) -> str:
+    """A Δ, its interval where there is one, and its call: "+0.01 [-0.002, +0.02]: not resolved"."""
+    if value is None:
+        return ""
+    text = number(value, scale, signed=True)
+    if bounds and bounds[0] is not None:
+        text += f" [{values_text(bounds, scale, True).replace(' / ', ', ')}]"
+    return f"{text}: {call}" if call else text
+
+
 def to_markdown(lines: list[TableLine]) -> str:
     """The table in GitHub markdown: start | random | arm (mean ± sd, n) | Δ [95 % CI] and call of
     best-dev checkpoints and of the last step | paper Δ | verdict | clusters | epoch-0 diagnostics
@@ -349,19 +366,6 @@ def to_markdown(lines: list[TableLine]) -> str:
         sd = "" if s.sd is None else f" ± {number(s.sd, s.mean, digits=2)}"
         return f"{number(s.mean)}{sd} (n={s.n})"
 
-    def pair(values: tuple, scale: float | None = None, signed: bool = False) -> str:
-        if all(v is None for v in values):
-            return ""
-        return " / ".join("—" if v is None else number(v, scale, signed=signed) for v in values)
-
-    def delta(value, bounds, call, scale) -> str:
-        if value is None:
-            return ""
-        text = number(value, scale, signed=True)
-        if bounds and bounds[0] is not None:
-            text += f" [{pair(bounds, scale, True).replace(' / ', ', ')}]"
-        return f"{text}: {call}" if call else text
-
     out = [
         "| experiment | metric | start | random | arm | arm (mean ± sd, n) | Δ best dev [95 % CI] "
         "| Δ last step [95 % CI] | paper Δ | verdict | test clusters of items (resampled) "
@@ -372,12 +376,12 @@ def to_markdown(lines: list[TableLine]) -> str:
     ]
     for line in lines:
         scale = (line.random or line.kit or line.start).mean
-        best = delta(line.delta, line.best or (line.low, line.high), line.calls[0], scale)
-        last = delta(line.last_delta, line.last, line.calls[1], scale)
+        best = delta_text(line.delta, line.best or (line.low, line.high), line.calls[0], scale)
+        last = delta_text(line.last_delta, line.last, line.calls[1], scale)
         summaries = [summary(s) for s in (line.start, line.random)]
         cells = (line.experiment, line.metric, *summaries, line.arm, summary(line.kit), best, last)
-        diagnosed = [pair(line.diagnostics[name]) for name in DIAGNOSTICS[:2]]
-        regime = pair(tuple(line.diagnostics[name][1] for name in REGIME))
+        diagnosed = [values_text(line.diagnostics[name]) for name in DIAGNOSTICS[:2]]
+        regime = values_text(tuple(line.diagnostics[name][1] for name in REGIME))
         cells += (paper_text(line.paper), line.verdict, line.clusters, *diagnosed, regime)
         cells += (line.data, line.model, line.profile, line.commit)
         out.append(markdown_row(cells))
@@ -405,9 +409,7 @@ def headline(lines: list[TableLine]) -> str:
     for line in lines:
         if line.verdict and line.metric == "test_" + experiments.get(line.experiment).dev_metric:
             scale = line.random.mean
-            low, high = line.best or (line.low, line.high)
-            delta = f"{number(line.delta, scale, signed=True)} [{number(low, scale, signed=True)}, "
-            delta += f"{number(high, scale, signed=True)}]"
+            delta = delta_text(line.delta, line.best or (line.low, line.high), "", scale)
             cells = (line.experiment, line.metric, delta, line.verdict, paper_text(line.paper))
             out.append(markdown_row(cells))
     return "\n".join(out) + "\n"

@@ -196,7 +196,7 @@ def test_markdown_shows_start_random_arm_both_checkpoints_paper_verdict_and_diag
         "| codesearch | test_mrr | 0.25 ± 0 (n=2) | 0.6 ± 0.14 (n=2) | gcbs | 0.75 ± 0.21 (n=2) | "
         "+0.15 [-0.4853, +0.7853] | +0.15 | +0.0100 / +0.0200 / +0.0220 (CosQA / AdvTest / "
         "CodeSearchNet, UniXcoder) | no per-item test outputs: no verdict | — | 1.7 / 1.3 | — | "
-        "5.1 / 0.25 | stdlib-docstrings | all-MiniLM-L6-v2 | cpu | — |"
+        "5.1 / 0.25 / — | stdlib-docstrings | all-MiniLM-L6-v2 | cpu | — |"
     )
     assert len(lines) == 1  # the last step and the diagnostics are columns, not lines
     assert lines[0].diagnostics["neighbours"] == (None, 5.1)
@@ -322,7 +322,7 @@ def test_the_headline_table_shows_each_comparison_on_its_primary_metric_only():
     """The primary metric is the test score of the experiment's dev metric (code search: MRR);
     a line without a verdict, or on another metric, stays in the full table only."""
     line = build_table([row("random", 0, 0.5), row("gcbs", 0, 0.6)])[0]
-    judged = line._replace(verdict="GCBS better", boot_low=0.05, boot_high=0.15)
+    judged = line._replace(verdict="GCBS better", best=(0.05, 0.15))
     others = [judged._replace(metric="test_recall"), judged._replace(verdict="")]
     assert results.headline([judged, *others]).splitlines()[2:] == [
         "| codesearch | test_mrr | +0.1 [+0.05, +0.15] | GCBS better | +0.0100 / +0.0200 / +0.0220 "
