@@ -233,21 +233,21 @@ print(f"the same queries for every seed {seeds}: {same_items}")
 # a referee of the field would sign (`gcbs_lib.verdict`):
 #
 # * **Δ and its interval.** $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ over paired seeds.
-#   Seeds are not the only noise: the test queries are one sample of many. A **paired hierarchical
-#   bootstrap** redraws the seeds (both arms alike) and, within a draw, the test queries (the same for every
-#   run), 1,000 times; its 2.5–97.5 % percentiles are Δ's 95 % interval. The $t$-interval over seeds alone
-#   stands beside it.
-# * **The gate.** A score says something only above chance: the start and the random arm must clear the
-#   metric's chance band (the metric when each query's match is drawn at random, mean + 3 sd), the random arm
-#   must beat a trivial baseline where one exists, and gain more than 3 seed sd over the start. Otherwise
-#   the table reads *not measurable here*.
+#   Seeds are not the only noise: the test queries are one sample of many, and queries from one source
+#   module are not independent. A **paired hierarchical bootstrap** redraws the seeds (both arms alike) and,
+#   within a draw, the test queries' modules (the same for every run), 1,000 times. Over few seeds its
+#   percentile interval is too narrow, so the verdict reads the wider of it and a $t$-interval.
+# * **The gate.** A score says something only above chance: the start and each arm must clear the metric's
+#   chance band (the metric when each query's match is drawn at random, mean + 3 sd), and each arm's gain
+#   over the start and over a trivial baseline, where one exists, must have a lower bound above 0.
+#   Otherwise the table reads *not measurable here*. Only the pre-registered primary metric gets a verdict.
 # * **One checkpoint rule for both arms.** The verdict is computed on best-dev checkpoints (UniXcoder's rule)
 #   and on the last step; where they differ it reads *depends on checkpoint selection*.
 #
 # Over $n$ paired seeds the $t$-interval's half-width is $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with
 # $s_\Delta$ the sd of the paired differences. The seed count comes from the last committed run of the `cpu`
 # profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run measured
-# is in the README's table.
+# is in the full table in `docs/results.md`.
 
 # %%
 half_width = committed_plan("04_gcbs_codesearch", "codesearch", "test_mrr", budget_minutes=180)
@@ -344,12 +344,16 @@ for arm in [a for a in arms if a != "random"]:
     )
 
 # %% [markdown]
-# **What the committed `cpu` run says** (five pre-registered seeds; the README's table, from
-# `results/04_gcbs_codesearch.cpu.json`). The comparison measures: fine-tuning lifts test MRR by about 0.020 over
-# the pretrained start, more than 3 seed sd. On best-dev checkpoints GCBS is *better*, its bootstrap interval
-# over seeds and queries above 0 and below AdvTest's +0.020; on the last step the interval holds 0, so the
-# verdict reads *depends on checkpoint selection*. The diagnostics show GCBS doing what it promises: its
-# batches' loss gap is smaller at both epoch starts, and they hold more pairs from one source file.
+# **What the committed `cpu` run says** (five pre-registered seeds, judged under protocol v2; the full table in
+# `docs/results.md`, from `results/04_gcbs_codesearch.cpu.json`). The comparison measures: fine-tuning lifts
+# test MRR over the pretrained start, random by +0.020 [+0.008, +0.031] and GCBS by +0.029 [+0.017, +0.039].
+# GCBS's own Δ is *not resolved*: +0.0095 [−0.0015, +0.0205] on best-dev checkpoints and +0.0060 [−0.0031,
+# +0.0152] on the last step, intervals that resample the 651 test queries by their 28 source modules and hold
+# both 0 and AdvTest's +0.020. (Resampled as independent queries, the best-dev interval lay above 0; queries of
+# one module are not independent.) The diagnostics show GCBS doing what it promises: its batches' loss gap is
+# smaller at both epoch starts, and they hold more pairs from one source file. Its regime is far from the
+# paper's: k = (1 − q)·N = 5.1 neighbours per item, 0.08 of a batch, against about 250 in AdvTest; the start's
+# graph has 7.2 edges per item and leaves 6 % of the items without one.
 
 # %% [markdown]
 # ## Checks

@@ -160,7 +160,7 @@ print(
 # The $t$-interval over $n$ paired seeds alone has half-width $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
 # the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
 # `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
-# measured is in the README's table.
+# measured is in the full table in `docs/results.md`.
 
 # %%
 half_width = committed_plan("05_gcbs_simcse", "simcse", "test_spearman")
@@ -192,9 +192,10 @@ summaries = run_arms(
 # ## 5 · Scores, Δ and the verdict
 #
 # Spearman's ρ as a fraction (the paper's +1.03 points is +0.0103 here). Δ pairs GCBS and random on each seed;
-# its 95 % bootstrap interval over seeds × test pairs decides: *GCBS better* (above 0), *GCBS worse* (below 0),
-# or *not resolved*, and only where the gate passes: the start and the random arm above chance, the random arm
-# above TF-IDF (the `baseline-tfidf` row) and more than 3 seed sd above the start; else *not measurable here*.
+# its 95 % interval over seeds × test pairs (Lee's pairs resampled by document) decides: *GCBS better* (above 0),
+# *GCBS worse* (below 0), or *not resolved*, and only where the gate passes: the start and each arm above
+# chance, each arm's gain over TF-IDF (the `baseline-tfidf` row) and over the start above 0 at its interval's
+# lower bound; else *not measurable here*.
 
 # %%
 deltas = arms_table(summaries, stand_in="NOT STS")
@@ -204,15 +205,16 @@ line = deltas["gcbs/test_spearman"]
 print(f"verdict on test Spearman: {line.verdict}")
 
 # %% [markdown]
-# **What the committed `cpu` run says** (four pre-registered seeds, build @42f21b6; the README's table, from
-# `results/05_gcbs_simcse.cpu.json`). The start clears the gate's first half: 0.438 mean test Spearman, far
-# above chance and TF-IDF (0.111). SimCSE's objective then lowers the score: the random arm's best-dev model
-# tests 0.398, its last step 0.385, so random's gain is negative and the verdict reads *not measurable here*;
-# GCBS's Δ of +0.008 (bootstrap interval −0.015 to +0.029) says nothing about GCBS. As in the pilot, the dev
-# Lee pairs rise while the three test sets fall. The diagnostic shows GCBS doing what it promises: its first
-# batches' loss gap is the smaller (2.93 against 3.17 nats). Its last-step model falls furthest (0.335; Lee
-# 0.20 against random's 0.32). So none of the starts measured (the intro's "The start model") lets this
-# comparison measure GCBS on laptop data.
+# **What the committed `cpu` run says** (four pre-registered seeds, build @42f21b6, judged under protocol v2;
+# the full table in `docs/results.md`, from `results/05_gcbs_simcse.cpu.json`). The start clears chance and
+# TF-IDF (0.111) by far: 0.438 mean test Spearman. SimCSE's objective then lowers the score in both arms:
+# random's gain over the start is −0.040 [−0.093, +0.013] and GCBS's −0.032 [−0.070, +0.005], so the verdict
+# reads *not measurable here*, and GCBS's Δ, +0.008 [−0.037, +0.053] on best-dev checkpoints, says nothing about
+# GCBS. The last step, shown beside it, is −0.050 [−0.091, −0.009]: GCBS's last-step model falls furthest (Lee
+# 0.20 against random's 0.32). As in the pilot, the dev Lee pairs rise while the three test sets fall. The
+# diagnostic shows GCBS doing what it promises: its first batches' loss gap is the smaller (2.93 against 3.17
+# nats). So none of the starts measured (the intro's "The start model") lets this comparison measure GCBS on
+# laptop data.
 
 # %% [markdown]
 # ## 6 · Dev Spearman, the loss gap, and Δ

@@ -157,7 +157,7 @@ print(cmp_table(gradcache_checks))
 # The $t$-interval over $n$ paired seeds alone has half-width $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
 # the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
 # `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
-# measured is in the README's table.
+# measured is in the full table in `docs/results.md`.
 
 # %%
 half_width = committed_plan("06_gcbs_promcse", "promcse", "test_spearman")
@@ -195,16 +195,16 @@ line = deltas["gcbs/test_spearman"]
 print(f"verdict on test Spearman: {line.verdict}")
 
 # %% [markdown]
-# **What the committed `cpu` run says** (four pre-registered seeds, build @42f21b6; the README's table, from
-# `results/06_gcbs_promcse.cpu.json`). The frozen start clears the gate's first half: 0.450 mean test Spearman,
-# far above chance and TF-IDF (0.111). Training the prompt then moves it little, and down: the random arm's
-# best-dev prompt tests 0.438 (0.446 on the last step), so random's gain is negative and the verdict reads *not
-# measurable here*. GCBS's prompt tests 0.426 (0.428 last), a Δ of −0.012 with bootstrap interval −0.023 to
-# −0.001: below 0, but with no gain to compare against it says only that GCBS's batches cost this start more.
-# The diagnostic shows GCBS doing what it promises: its first batches' loss gap is the smaller (3.83 against
-# 4.11 nats). As in notebook 05, the dev Lee pairs do not foretell the test sets: random's dev score rises from
-# 0.171 to 0.192 while its SimLex-999 score falls from 0.352 to 0.300. So PromCSE on this start, like SimCSE,
-# cannot measure GCBS on laptop data.
+# **What the committed `cpu` run says** (four pre-registered seeds, build @42f21b6, judged under protocol v2;
+# the full table in `docs/results.md`, from `results/06_gcbs_promcse.cpu.json`). The frozen start clears chance
+# and TF-IDF (0.111) by far: 0.450 mean test Spearman. Training the prompt then moves it little, and down:
+# random's gain over the start is −0.012 [−0.040, +0.015], GCBS's −0.024 [−0.048, +0.000], so the verdict reads
+# *not measurable here*. GCBS's Δ is −0.012 [−0.025, +0.002] on best-dev checkpoints and −0.018 [−0.031, −0.004]
+# on the last step; with no gain to compare against, it says only that GCBS's batches cost this start more. The
+# diagnostic shows GCBS doing what it promises: its first batches' loss gap is the smaller (3.83 against 4.11
+# nats). As in notebook 05, the dev Lee pairs do not foretell the test sets: random's dev score rises from 0.171
+# to 0.192 while its SimLex-999 score falls from 0.352 to 0.300. So PromCSE on this start, like SimCSE, cannot
+# measure GCBS on laptop data.
 
 # %% [markdown]
 # ## 6 · Dev Spearman and the loss gap per epoch

@@ -104,9 +104,10 @@ def notebook_parameters() -> set[str]:
 
 
 def metrics() -> set[str]:
-    """The metrics of the committed rows, without their `@epoch<N>`."""
+    """The metrics of the committed rows, without their `@epoch<N>`, and the per-epoch diagnostics
+    a run writes."""
     rows = [row for f in (ROOT / "results").glob("*.*.json") for row in results.read_rows(f)]
-    return {row["metric"].split("@")[0] for row in rows}
+    return {row["metric"].split("@")[0] for row in rows} | set(results.DIAGNOSTICS)
 
 
 def resolved(dotted: str):
