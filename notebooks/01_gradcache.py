@@ -56,9 +56,10 @@ from gcbs_lib.gradcache import (
     batch_length,
     cached_loss,
     encode_in_chunks,
+    joined,
     slice_batch,
 )
-from gcbs_lib.losses import LogitScale, info_nce
+from gcbs_lib.losses import LogitScale, info_nce, similarity
 from gcbs_lib.measure import contrastive_step, memory_method, memory_rise, step_bytes
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
 from gcbs_lib.results import record, result_row
@@ -410,6 +411,21 @@ print(cmp_table(late_rows))
 late_exact = all(r.within_tolerance for r in late_rows)
 
 # %% [markdown]
+# The padding at work: two query chunks of 3 and 5 tokens joined into one tensor, the shorter one padded with
+# zero vectors, score every document exactly as they did apart.
+
+# %%
+generator = torch.Generator().manual_seed(seed)
+short = torch.randn(2, 3, 4, generator=generator, dtype=torch.float64)
+long = torch.randn(2, 5, 4, generator=generator, dtype=torch.float64)
+padded = joined([short, long])
+documents = torch.randn(3, 6, 4, generator=generator, dtype=torch.float64)
+padding_free = torch.equal(similarity(padded[:2], documents), similarity(short, documents))
+print(
+    "joined:", tuple(padded.shape), "| the padded queries score as the unpadded ones:", padding_free
+)
+
+# %% [markdown]
 # ## 9 · What it saves: peak memory against batch size
 #
 # A plain step keeps every example's activations until the backward, so its peak grows linearly with $B$.
@@ -552,6 +568,7 @@ for r in result_rows:
 # %%
 assert all(r.within_tolerance for r in plain_rows), "the plain three steps must give the gradient"
 assert late_exact, "late interaction through GradCache must give the full-batch gradient"
+assert padding_free, "zero-padded query tokens must add nothing to late interaction"
 assert all(error <= tolerance(getattr(torch, dtype)) for (dtype, _), error in errors.items())
 assert dropout_active, "dropout must change the forward, or the replay checks below prove nothing"
 assert replay_bitwise and dropout_error <= 1e-12

@@ -60,6 +60,7 @@ memory_dim = 64
 memory_chunk_size = 128
 
 # %%
+import inspect
 import json
 import math
 from dataclasses import asdict
@@ -71,6 +72,7 @@ import torch
 import torch.nn.functional as F
 
 # %%
+from gcbs_lib import seeding
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arms_table,
@@ -88,6 +90,7 @@ from gcbs_lib.data.howto100m import (
     features_of,
     read_captions,
 )
+from gcbs_lib.distributed import gather_ragged
 from gcbs_lib.experiments.milnce import MilNce, gradient_check
 from gcbs_lib.launcher import launch
 from gcbs_lib.losses import mil_nce
@@ -409,13 +412,31 @@ print(
 )
 
 # %% [markdown]
+# The draw itself, on six clips of three videos: each epoch's stream (`seeding.generator`) picks one clip of
+# every video, sorted, so an epoch's items are as many as its videos.
+
+# %%
+videos = torch.tensor([0, 0, 0, 1, 2, 2])
+streams = {epoch: seeding.generator(seed, epoch, "one-per-group") for epoch in (0, 1)}
+drawn = {epoch: seeding.one_per_group(videos, stream) for epoch, stream in streams.items()}
+one_each = all(sorted(videos[d].tolist()) == [0, 1, 2] for d in drawn.values())
+print({epoch: d.tolist() for epoch, d in drawn.items()}, "| one clip of each video:", one_each)
+
+# %% [markdown]
 # ## 5 · DDP training through the launcher
 #
 # Each rank encodes its clips and the captions of their bags, gathers the clip embeddings with
 # `gather_with_grad` and the captions with `gather_ragged` (ranks hold different counts), and keeps one copy
 # of a caption that sits on several ranks, so every rank sees exactly the single-process batch. Its loss is the
 # mean over its own clips; DDP's average then gives the full-batch gradient (notebook 02). The official code's
-# `AllGather` instead drops the other ranks' gradient contributions. First the check, in float64 with GradCache:
+# `AllGather` instead drops the other ranks' gradient contributions. `gather_ragged` pads each rank's rows to
+# the longest, gathers, and drops the padding again:
+
+# %%
+print(inspect.getsource(gather_ragged))
+
+# %% [markdown]
+# First the check, in float64 with GradCache:
 
 # %%
 reference = gradient_check(source_options, batch_size=16, seed=seed)
@@ -711,6 +732,7 @@ assert "max_steps" in overrides or r10[min(sigmas), max(bag_sizes)] > 5 * 10 / 1
     "training should lift R@10 far above chance"
 )  # unless a dry run cut training to a few steps
 assert "not finite" in diverged
+assert one_each, "an epoch draws one clip of each video"
 assert official_compute_metrics(tied)["counted"] > len(tied) and ours[0] == 4
 
 # %%
