@@ -69,7 +69,8 @@ def test_a_rank_left_waiting_longer_than_the_timeout_fails_and_leaves_no_process
     start = time.time()
     with pytest.raises(LaunchError, match="Timed out") as failure:
         launch(misbehave, nproc=2, args={"how": "stall"}, echo=False, **timeout)
-    assert time.time() - start < 5 + 30  # the timeout, then starting and stopping the ranks
+    # the timeout, then starting and stopping the ranks (slow on a busy machine): far below 30 min
+    assert time.time() - start < 5 + 120
     assert failure.value.rank == 0  # waiting in the barrier for rank 1
     assert ranks_left() == []
 
