@@ -273,12 +273,15 @@ class Trainer:
         )
         self.train_set = self.experiment.load_data()
         n = self.train_set.size  # items an epoch
+        # each item's group as a number: TrainSet.groups (class, video, module), else duplicate keys
+        named = self.train_set.groups or self.train_set.duplicate_keys
+        self.group_codes = None
+        if named is not None:
+            self.group_codes = torch.from_numpy(np.unique(named, return_inverse=True)[1].ravel())
         if config.one_per_group:  # as MIL-NCE's loader draws one clip of each video
             groups = self.train_set.groups
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
-            self.group_of = torch.from_numpy(np.unique(groups, return_inverse=True)[1].ravel())
-            n = int(self.group_of.max()) + 1
-        named = self.train_set.groups or self.train_set.duplicate_keys
+            n = int(self.group_codes.max()) + 1
         for key in ("mask_same_group", "gcbs_prune_groups"):
             require(
                 named is not None or not getattr(config, key),
@@ -291,7 +294,6 @@ class Trainer:
         if config.mask_same_group:
             queue = f"mask_same_group: {config.experiment}'s negatives are a queue (ungrouped)"
             require(self.experiment.in_batch_negatives, queue)
-            self.mask_groups = torch.from_numpy(np.unique(named, return_inverse=True)[1].ravel())
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
@@ -430,12 +432,11 @@ class Trainer:
         if not self.config.one_per_group:
             return torch.arange(self.train_set.size)
         draw = seeding.generator(self.config.seed, epoch, "one-per-group")
-        return seeding.one_per_group(self.group_of, draw)
+        return seeding.one_per_group(self.group_codes, draw)
 
     def _groups(self, items: torch.Tensor) -> list | None:
-        """The group of each of `items` (`TrainSet.groups`, else its duplicate keys), or None."""
-        groups = self.train_set.groups or self.train_set.duplicate_keys
-        return None if groups is None else [groups[i] for i in items.tolist()]
+        """The group code of each of `items` (`group_codes`), or None."""
+        return None if self.group_codes is None else self.group_codes[items].tolist()
 
     def _sample(self, z1, z2, items: torch.Tensor) -> tuple[dict, dict]:
         """Batches of `items` (z1, z2: theirs, or None) and any mined negatives, as positions in
@@ -480,7 +481,7 @@ class Trainer:
         if not self.config.mask_same_group:
             return batch
         documents = [indices] if negatives is None else [indices, negatives]
-        groups = self.mask_groups[torch.tensor(documents).T.reshape(-1)]
+        groups = self.group_codes[torch.tensor(documents).T.reshape(-1)]
         return batch._replace(extra={**(batch.extra or {}), "groups": groups})
 
     def _train_step(self, batch: experiments.Batch) -> dict:
