@@ -17,6 +17,7 @@ from functools import cache
 from operator import itemgetter
 from pathlib import Path
 
+import numpy as np
 import scipy.stats
 
 from gcbs_lib import experiments, verdict
@@ -158,11 +159,10 @@ def half_width(sd: float, n: int) -> float:
 
 
 def interval(differences: list[float]) -> tuple[float, float] | tuple[None, None]:
-    """The 95 % t-interval of the mean of paired `differences` (None, None below two)."""
-    if len(differences) < 2:
-        return None, None
-    half = half_width(statistics.stdev(differences), len(differences))
-    return statistics.fmean(differences) - half, statistics.fmean(differences) + half
+    """The 95 % t-interval of the mean of paired `differences` over seeds alone (`verdict.welch_t`
+    with no test-item part); (None, None) below two."""
+    bounds = verdict.welch_t(np.asarray(differences), 0.0)
+    return (None, None) if bounds is None else bounds
 
 
 def where_paper(paper: PaperDelta | None, low: float, high: float) -> str:
