@@ -485,51 +485,16 @@ class Trainer:
         return batch._replace(extra={**(batch.extra or {}), "groups": groups})
 
     def _train_step(self, batch: experiments.Batch) -> dict:
-        """Forward and backward (GradCache with `chunk_size`), all-reduce, clip, optimizer step."""
-        config = self.config
+        """Forward and backward (GradCache with `chunk_size`), all-reduce, clip, check, step."""
         start = time.perf_counter()
-        batch = experiments.Batch(*experiments.to_device([batch.inputs, batch.extra], self.device))
-        loss_fn = lambda *embeddings: self.experiment.loss(embeddings, batch, self.scale)  # noqa: E731
-        autocast = AUTOCAST.get(config.precision)
-        # GradCache's replays take up the autocast state `cached_loss` was called in
-        with torch.autocast(self.device.type, autocast, enabled=autocast is not None):
-            if config.chunk_size is not None:
-                loss = gradcache.cached_loss(
-                    loss_fn, self.branch_modules, batch.inputs, config.chunk_size
-                )
-            else:
-                loss = loss_fn(*[module(x) for module, x in zip(self.branch_modules, batch.inputs)])
-        # over the ranks' shares
-        global_loss = distributed.gather_with_grad(loss.detach().double().reshape(1)).mean()
-        self.scaler.scale(loss).backward()
-        distributed.all_reduce_gradients(self.outside_ddp)
+        global_loss = self._backward(batch)
         self.scaler.unscale_(self.optimizer)  # clipped and checked: the true gradients
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.parameters, config.clip_norm or float("inf")
-        )
+        clip = self.config.clip_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, clip)
+
         # the step's one read of the device (the scaler's `step` reads once more): logged, checked
-        loss_value, norm = torch.stack([global_loss, grad_norm.double()]).tolist()
-        judged = {"the loss": loss_value, "the gradient norm": norm}
-        if self.scaler.is_enabled():  # fp16: an overflow skips its step (the scaler's `step`)
-            del judged["the gradient norm"]
-        for what, value in judged.items():  # nothing changed yet: the checkpoint is still good
-            if not math.isfinite(value):
-                raise TrainingDiverged(
-                    f"{what} is not finite at step {self.step + 1} (scale {self._scale():g}, lr "
-                    f"{config.lr}): too low a temperature, too high a learning rate, NaN inputs?"
-                )
-        # the sync check comes after the finiteness checks: inf − inf would read as out of sync
-        checked = {}
-        every = config.sync_check_every
-        if self.world_size > 1 and every and (self.step + 1) % every == 0 and math.isfinite(norm):
-            grads = [p.grad for p in self.parameters if p.grad is not None]
-            difference = distributed.rank_difference([*self.parameters, *grads])
-            checked = {"rank_difference": difference}
-            if not difference <= config.sync_tolerance:
-                raise RanksOutOfSync(
-                    f"ranks out of sync at step {self.step + 1}: parameters or gradients differ "
-                    f"between the {self.world_size} ranks by up to {difference:.3g}"
-                )
+        loss, norm = torch.stack([global_loss, grad_norm.double()]).tolist()
+        checked = self._check(loss, norm)
         lr = self.scheduler.get_last_lr()[0]
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -537,10 +502,57 @@ class Trainer:
         if math.isfinite(norm):  # fp16: a skipped step keeps its learning rate (as HF's Trainer)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if config.learnable_scale:
+        if self.config.learnable_scale:
             self.scale.clamp_()
-        record = dict(loss=loss_value, lr=lr, grad_norm=norm)
-        return {**record, "scale": self._scale(), "seconds": time.perf_counter() - start, **checked}
+        seconds = time.perf_counter() - start
+        return dict(
+            loss=loss, lr=lr, grad_norm=norm, scale=self._scale(), seconds=seconds, **checked
+        )
+
+    def _backward(self, batch: experiments.Batch) -> torch.Tensor:
+        """The batch's loss backward (scaled under fp16), gradients summed over the ranks; the
+        loss over all ranks' shares, as a float64 tensor on the device."""
+        batch = experiments.Batch(*experiments.to_device([batch.inputs, batch.extra], self.device))
+        loss_fn = lambda *embeddings: self.experiment.loss(embeddings, batch, self.scale)  # noqa: E731
+        autocast = AUTOCAST.get(self.config.precision)
+        chunk_size = self.config.chunk_size
+        # GradCache's replays take up the autocast state `cached_loss` was called in
+        with torch.autocast(self.device.type, autocast, enabled=autocast is not None):
+            if chunk_size is not None:
+                loss = gradcache.cached_loss(loss_fn, self.branch_modules, batch.inputs, chunk_size)
+            else:
+                loss = loss_fn(*[module(x) for module, x in zip(self.branch_modules, batch.inputs)])
+        global_loss = distributed.gather_with_grad(loss.detach().double().reshape(1)).mean()
+        self.scaler.scale(loss).backward()
+        distributed.all_reduce_gradients(self.outside_ddp)
+        return global_loss
+
+    def _check(self, loss: float, norm: float) -> dict:
+        """Raise before the optimizer step on a non-finite loss or gradient norm (fp16: an overflow
+        only skips its step), or on ranks out of sync (checked every `sync_check_every` steps)."""
+        config = self.config
+        judged = {"the loss": loss, "the gradient norm": norm}
+        if self.scaler.is_enabled():
+            del judged["the gradient norm"]
+        for what, value in judged.items():  # nothing changed yet: the checkpoint is still good
+            if not math.isfinite(value):
+                raise TrainingDiverged(
+                    f"{what} is not finite at step {self.step + 1} (scale {self._scale():g}, lr "
+                    f"{config.lr}): too low a temperature, too high a learning rate, NaN inputs?"
+                )
+
+        # after the finiteness checks: inf − inf would read as out of sync
+        every = config.sync_check_every
+        if self.world_size == 1 or not every or (self.step + 1) % every or not math.isfinite(norm):
+            return {}
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        difference = distributed.rank_difference([*self.parameters, *grads])
+        if not difference <= config.sync_tolerance:
+            raise RanksOutOfSync(
+                f"ranks out of sync at step {self.step + 1}: parameters or gradients differ "
+                f"between the {self.world_size} ranks by up to {difference:.3g}"
+            )
+        return {"rank_difference": difference}
 
     def _scale(self) -> float:
         return self.scale().item() if self.config.learnable_scale else self.scale
