@@ -62,7 +62,7 @@ from gcbs_lib.gradcache import (
 from gcbs_lib.losses import LogitScale, info_nce, similarity
 from gcbs_lib.measure import contrastive_step, memory_method, memory_rise, step_bytes
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
-from gcbs_lib.results import record, result_row
+from gcbs_lib.rows import record, result_row
 
 torch.manual_seed(seed)
 n_docs = batch_size * (1 + hard_negatives)
