@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from gcbs_lib import measure
-from gcbs_lib.gradcache import batch_length, cached_loss, slice_batch
+from gcbs_lib.batches import batch_length, slice_batch
+from gcbs_lib.gradcache import cached_loss
 from gcbs_lib.losses import info_nce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

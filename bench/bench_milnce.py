@@ -53,14 +53,14 @@ from gcbs_lib.check import relative_error
 from gcbs_lib.data.howto100m import (
     MIN_TIME,
     FeatureStore,
-    _plain_captions,
-    _read_csv_captions,
     build_bags,
     clip_features,
     features_of,
     nearest_bag,
     open_arrays,
+    plain_captions,
     read_captions,
+    read_csv_captions,
     save_arrays,
     widen,
 )
@@ -323,7 +323,7 @@ class BagSources:
         entries = (
             {v: self.held[v] for v in videos}
             if held
-            else {v: _plain_captions(v, _read_csv_captions(folder / f"{v}.csv")) for v in videos}
+            else {v: plain_captions(v, read_csv_captions(folder / f"{v}.csv")) for v in videos}
         )
         streams = {v: self.store.load(v) if features else None for v in videos}
         return [

@@ -10,6 +10,7 @@ from matplotlib.ticker import MaxNLocator
 
 from gcbs_lib import results
 from gcbs_lib.launcher import launch
+from gcbs_lib.rows import read_rows
 from gcbs_lib.train import Trainer, load_config, train
 
 
@@ -69,7 +70,7 @@ def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: 
     provenance): the 95 % half-width t·sd/√n of Δ for n = 2 … 12 seeds, printed with the time of
     each; returns {n: half-width}."""
     name = f"{notebook}.cpu.json"
-    lines = results.build_table(results.read_rows(results.COMMITTED / name))
+    lines = results.build_table(read_rows(results.COMMITTED / name))
     paired = next(
         x for x in lines if (x.experiment, x.metric, x.arm) == (experiment, metric, "gcbs")
     )

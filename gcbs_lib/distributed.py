@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gcbs_lib.batches import batch_length, slice_batch
 from gcbs_lib.check import require
-from gcbs_lib.gradcache import batch_length, slice_batch
 
 MAX_DIMS = 8  # sizes in gather_with_grad's layout check
 

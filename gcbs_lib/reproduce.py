@@ -29,7 +29,7 @@ import yaml
 from gcbs_lib import results
 from gcbs_lib.check import as_type, require
 from gcbs_lib.data import REPOSITORY, read_json, write_atomic
-from gcbs_lib.results import current_commit  # by name: tests pin the commit
+from gcbs_lib.rows import RESULTS_DIR_VARIABLE, current_commit, read_outputs, read_rows
 
 NOTEBOOKS = REPOSITORY / "notebooks"
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     # notebooks `record` their rows there
-    environment = {results.RESULTS_DIR_VARIABLE: str((out / "results").resolve())}
+    environment = {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}
     with mock.patch.dict(os.environ, environment):
         for notebook, parameters in plans.items():
             done = execute(notebook, parameters, out, args.prepare_only)
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.fail_fast and done["status"] == "failed":
                 break
     files = sorted(out.glob("results/*.json"))
-    rows = [row for path in files for row in results.read_rows(path)]
-    outputs = [run for path in files for run in results.read_outputs(path)]
+    rows = [row for path in files for row in read_rows(path)]
+    outputs = [run for path in files for run in read_outputs(path)]
     lines = results.build_table(rows, commit, outputs)
     tables = [
         f"## {name}\n\n{results.to_markdown([line for line in lines if line.experiment == name])}"

@@ -1,7 +1,7 @@
-"""Result rows (a results file is a JSON list of them) and their per-item test outputs, the
-paper-vs-kit table, and the generated tables of the cpu runs: `python -m gcbs_lib.results collect
-runs/<stamp>` copies a run's rows into results/ with their provenance; `readme` regenerates the
-README's headline table and the full one in docs/results.md; `verify` recomputes them, rows,
+"""The paper-vs-kit table of result rows (`gcbs_lib.rows`), with intervals and verdicts from their
+per-item test outputs, and the generated tables of the cpu runs: `python -m gcbs_lib.results
+collect runs/<stamp>` copies a run's rows into results/ with their provenance; `readme` regenerates
+the README's headline table and the full one in docs/results.md; `verify` recomputes them, rows,
 intervals and verdicts, from the committed outputs."""
 
 import argparse
@@ -9,9 +9,7 @@ import csv
 import io
 import json
 import math
-import os
 import statistics
-import subprocess
 from collections import namedtuple
 from functools import cache
 from operator import itemgetter
@@ -23,9 +21,8 @@ import scipy.stats
 from gcbs_lib import experiments, verdict
 from gcbs_lib.check import require
 from gcbs_lib.data import REPOSITORY, read_json, write_atomic
+from gcbs_lib.rows import DIAGNOSTICS, check_row, read_outputs, read_rows, write_outputs, write_rows
 
-FIELDS = ("experiment", "arm", "seed", "metric", "value", "profile", "data", "model")
-RESULTS_DIR_VARIABLE = "GCBS_RESULTS_DIR"  # the runner sets it; `record` writes there
 # <notebook>.<profile>.json rows, and provenance.json: how each was made
 COMMITTED = REPOSITORY / "results"
 # The start and end lines around each generated table of the committed cpu rows: the README's
@@ -36,73 +33,6 @@ MARKERS = {
     for name in ("headline", "full")
 }
 PAGES = (REPOSITORY / "README.md", REPOSITORY / "docs" / "results.md")
-
-
-def check_row(row: dict) -> dict:
-    """`row` with an int seed and a float value; other keys, empty names, NaN or inf: ValueError."""
-    if not isinstance(row, dict) or set(row) != set(FIELDS):
-        raise ValueError(f"a result row has exactly the keys {list(FIELDS)}, got {row!r}")
-    row = {**row, "seed": int(row["seed"]), "value": float(row["value"])}
-    named = all(isinstance(row[k], str) and row[k] for k in FIELDS if k not in ("seed", "value"))
-    require(math.isfinite(row["value"]), f"a result row has a finite value, got {row}")
-    require(named, f"a result row has non-empty names, got {row}")
-    return row
-
-
-def result_row(**fields) -> dict:
-    """A checked row from keywords experiment, arm, seed, metric, value, profile, data, model."""
-    return check_row(fields)
-
-
-def write_rows(path: str | Path, rows: list[dict]) -> Path:
-    return write_atomic(path, json.dumps([check_row(r) for r in rows], indent=1) + "\n")
-
-
-def read_rows(path: str | Path) -> list[dict]:
-    rows = read_json(path)
-    require(isinstance(rows, list), f"{path}: a results file holds a JSON list of rows")
-    return [check_row(r) for r in rows]
-
-
-def record(rows: list[dict], name: str, outputs: list[dict] = ()) -> Path | None:
-    """Save a notebook's rows as `<name>.json` in the runner's folder, over the rows there of the
-    same arm, seed and metric, and the runs' per-item test `outputs` ({experiment, arm, seed,
-    checkpoint, outputs} records) as `<name>.outputs.jsonl` likewise (the runner keeps earlier files
-    only from the same commit and settings); without the runner, nothing."""
-    folder = os.environ.get(RESULTS_DIR_VARIABLE)
-    if not folder:
-        return None
-    path = Path(folder) / f"{name}.json"
-    write_outputs(path, merged(read_outputs(path), outputs, "experiment arm seed checkpoint"))
-    old = read_rows(path) if path.exists() else []
-    new = [check_row(row) for row in rows]
-    return write_rows(path, merged(old, new, "experiment arm seed metric"))
-
-
-def merged(old: list[dict], new: list[dict], key: str) -> list[dict]:
-    """`new` after the records of `old` whose `key` fields no record of `new` has."""
-    fields = itemgetter(*key.split())
-    replaced = {fields(record) for record in new}
-    return [record for record in old if fields(record) not in replaced] + list(new)
-
-
-def read_outputs(rows_path: str | Path) -> list[dict]:
-    """The per-item test output records beside the rows file `rows_path`, in JSON Lines
-    `<stem>.outputs.jsonl` ([] where none)."""
-    path = Path(rows_path).with_suffix(".outputs.jsonl")
-    lines = path.read_text().splitlines() if path.exists() else []
-    try:
-        return [json.loads(line) for line in lines]
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON Lines: {error}") from None
-
-
-def write_outputs(rows_path: str | Path, records: list[dict]) -> Path | None:
-    """Write `records` beside the rows file `rows_path` (see `read_outputs`), a record a line."""
-    if records:
-        text = "".join(json.dumps(record) + "\n" for record in records)
-        return write_atomic(Path(rows_path).with_suffix(".outputs.jsonl"), text)
-    return None
 
 
 # A headline Δ (arm − random) of the paper on the metric's 0–1 scale (+1.0 % MRR is +0.010), for
@@ -139,10 +69,7 @@ TableLine = namedtuple(
 )
 # the checkpoint of per-item outputs → the prefix of its rows' metrics
 CHECKPOINTS = {"best": "test_", "last": "last_test_"}
-# per epoch; the last two, of GCBS's graph, where a run logs them
-DIAGNOSTICS = tuple(
-    "loss_gap same_group_pairs neighbours edges_per_item isolated_share dropped_again".split()
-)
+# the diagnostics of GCBS's graph that the table's regime column shows
 REGIME = DIAGNOSTICS[2:5]
 
 
@@ -187,16 +114,6 @@ def paper_delta(experiment: str, arm: str | None, metric: str, data: str = "") -
     one (all its datasets' where `data` names none)."""
     stated = [p for p in PAPER_DELTAS if p[:3] == (experiment, arm, metric)]
     return next((p for p in stated if p.dataset in data.lower()), None)
-
-
-def current_commit() -> str:
-    """This checkout's commit (7 hex digits), `+dirty` if files differ; "unknown" outside git."""
-    git = ["git", "describe", "--always", "--abbrev=7", "--exclude=*", "--dirty=+dirty"]
-    try:
-        described = subprocess.run(git, cwd=REPOSITORY, capture_output=True, text=True)
-        return described.stdout.strip() or "unknown"
-    except OSError:  # no git here
-        return "unknown"
 
 
 def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) -> list[TableLine]:

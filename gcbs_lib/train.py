@@ -26,10 +26,11 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, results, seeding
+from gcbs_lib import distributed, experiments, gcbs, gradcache, losses, mining, seeding
 from gcbs_lib.check import as_type, require
 from gcbs_lib.data import write_atomic
 from gcbs_lib.launcher import collective_timeout
+from gcbs_lib.rows import DIAGNOSTICS, current_commit, result_row, write_rows
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 STATE = ("step", "epoch", "position", "plan", "best")  # where a run is, beside its tensors
@@ -142,7 +143,7 @@ def code_fingerprint() -> dict:
     code = b"".join(p.read_bytes() for p in files)
     return {
         "sha256": hashlib.sha256(code).hexdigest(),
-        "commit": results.current_commit(),
+        "commit": current_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
@@ -575,7 +576,7 @@ class Trainer:
         fields = dict(experiment=config.experiment, arm=config.arm or config.sampler)
         fields.update(seed=config.seed, profile=config.profile, data=experiment.data_name)
         return [
-            results.result_row(metric=f"{prefix}{m}{suffix}", value=v, model=model, **fields)
+            result_row(metric=f"{prefix}{m}{suffix}", value=v, model=model, **fields)
             for m, v in scores.items()
         ]
 
@@ -588,9 +589,9 @@ class Trainer:
         rows, outputs = self.score()
         rows += self.result_rows({self.experiment.dev_metric: best["value"]}, "dev_") + last_rows
         for epoch in self.run.records("epoch"):  # the diagnostics: loss_gap@epoch0, ...
-            diagnostics = {k: v for k, v in epoch.items() if k in results.DIAGNOSTICS}
+            diagnostics = {k: v for k, v in epoch.items() if k in DIAGNOSTICS}
             rows += self.result_rows(diagnostics, "", f"@epoch{epoch['epoch']}")
-        results.write_rows(self.run.dir / "results.json", rows)
+        write_rows(self.run.dir / "results.json", rows)
         write_atomic(self.run.dir / "outputs.json", json.dumps({"best": outputs, "last": last}))
         return {
             "output_dir": str(self.run.dir),

@@ -50,19 +50,13 @@ import matplotlib.pyplot as plt
 import torch
 
 from gcbs_lib import gradcache
+from gcbs_lib.batches import batch_length, slice_batch
 from gcbs_lib.check import cmp_table, compare, relative_error, tolerance
-from gcbs_lib.gradcache import (
-    RandContext,
-    batch_length,
-    cached_loss,
-    encode_in_chunks,
-    joined,
-    slice_batch,
-)
+from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks, joined
 from gcbs_lib.losses import LogitScale, info_nce, similarity
 from gcbs_lib.measure import contrastive_step, memory_method, memory_rise, step_bytes
 from gcbs_lib.models import TinyTextEncoder, random_token_batch
-from gcbs_lib.results import record, result_row
+from gcbs_lib.rows import record, result_row
 
 torch.manual_seed(seed)
 n_docs = batch_size * (1 + hard_negatives)
@@ -149,10 +143,11 @@ def three_steps(loss_fn, encoders, batches, chunk_size):
 # ## 4 · The core, as the kit runs it
 #
 # Here is that code, printed from the library itself: `cached_loss` (steps 1 and 2) and the `Function` whose
-# backward is step 3. Around them `gradcache.py` only slices batches (a tensor, or a dict of tensors), checks each
-# chunk's embeddings (`_checked`: one row per input row, finite) and refuses what cannot be replayed exactly
-# (BatchNorm in training mode, inputs that require grad). A `DistributedDataParallel` encoder replays under
-# `no_sync()` except for its last chunk, so DDP averages the gradients once per step (notebook 02).
+# backward is step 3. Around them `gradcache.py` only cuts batches into chunks (with `gcbs_lib.batches`: a
+# tensor, or a dict of tensors), checks each chunk's embeddings (`_checked`: one row per input row, finite) and
+# refuses what cannot be replayed exactly (BatchNorm in training mode, inputs that require grad). A
+# `DistributedDataParallel` encoder replays under `no_sync()` except for its last chunk, so DDP averages the
+# gradients once per step (notebook 02).
 
 # %%
 core = [gradcache.cached_loss, gradcache._CachedEmbeddings]

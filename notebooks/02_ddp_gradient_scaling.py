@@ -69,7 +69,7 @@ from gcbs_lib.distributed import VirtualRanks, gather_with_grad, rank_and_world_
 from gcbs_lib.gradcache import encode_in_chunks
 from gcbs_lib.launcher import launch
 from gcbs_lib.losses import info_nce, rank_info_nce
-from gcbs_lib.results import record, result_row
+from gcbs_lib.rows import record, result_row
 
 W = nproc
 setup = ScalingSetup(

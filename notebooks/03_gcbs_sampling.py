@@ -70,7 +70,7 @@ from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from gcbs_lib import gcbs
 from gcbs_lib.check import cmp_table, compare
-from gcbs_lib.results import record, result_row
+from gcbs_lib.rows import record, result_row
 
 
 def synthetic_pairs(n, dim, clusters, seed, spread=0.5, noise=0.1):

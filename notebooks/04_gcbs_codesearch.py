@@ -79,7 +79,8 @@ from gcbs_lib.comparison import (
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import consecutive_batches, published_permutation, same_group_pairs
 from gcbs_lib.mining import mine_hard_negatives
-from gcbs_lib.results import deltas_text, record
+from gcbs_lib.results import deltas_text
+from gcbs_lib.rows import record
 from gcbs_lib.seeding import fixed_subset, generator
 from gcbs_lib.train import Trainer
 

@@ -81,7 +81,8 @@ from gcbs_lib.comparison import (
 )
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.experiments.simcse import SimCSE
-from gcbs_lib.results import COMMITTED, paper_delta, read_rows, record
+from gcbs_lib.results import COMMITTED, paper_delta
+from gcbs_lib.rows import read_rows, record
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("simcse", "gcbs", "test_spearman")  # +1.03 STS points

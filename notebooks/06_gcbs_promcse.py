@@ -66,7 +66,8 @@ from gcbs_lib.comparison import (
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.prefix import PrefixPromptedEncoder
-from gcbs_lib.results import paper_delta, record
+from gcbs_lib.results import paper_delta
+from gcbs_lib.rows import record
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("promcse", "gcbs", "test_spearman")  # +0.27 STS points

@@ -96,7 +96,7 @@ from gcbs_lib.launcher import launch
 from gcbs_lib.losses import mil_nce
 from gcbs_lib.measure import step_bytes
 from gcbs_lib.metrics import median_rank, ranks, recall_at
-from gcbs_lib.results import record, result_row
+from gcbs_lib.rows import record, result_row
 from gcbs_lib.train import TrainingDiverged, load_config, train
 
 torch.manual_seed(seed)

@@ -65,7 +65,7 @@ from gcbs_lib.comparison import (
 )
 from gcbs_lib.experiments import get
 from gcbs_lib.experiments.moco import MoCo, MoCoModel, SimCLR
-from gcbs_lib.results import record
+from gcbs_lib.rows import record
 from gcbs_lib.seeding import stream_seed
 from gcbs_lib.train import load_config
 

@@ -24,6 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gcbs_lib import experiments, reproduce, results, train
+from gcbs_lib.rows import DIAGNOSTICS, read_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -106,8 +107,8 @@ def notebook_parameters() -> set[str]:
 def metrics() -> set[str]:
     """The metrics of the committed rows, without their `@epoch<N>`, and the per-epoch diagnostics
     a run writes."""
-    rows = [row for f in (ROOT / "results").glob("*.*.json") for row in results.read_rows(f)]
-    return {row["metric"].split("@")[0] for row in rows} | set(results.DIAGNOSTICS)
+    rows = [row for f in (ROOT / "results").glob("*.*.json") for row in read_rows(f)]
+    return {row["metric"].split("@")[0] for row in rows} | set(DIAGNOSTICS)
 
 
 def resolved(dotted: str):

@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from gcbs_lib import gradcache
+from gcbs_lib.batches import batch_length, slice_batch
 from gcbs_lib.check import relative_error, tolerance
 from gcbs_lib.distributed import gather_with_grad, rank_and_world_size
 from gcbs_lib.gradcache import RandContext, cached_loss, encode_in_chunks
@@ -46,7 +47,7 @@ class Setup:
         masks)."""
         return self.loss_fn(
             *[
-                encode_in_chunks(encoder, batch, chunk_size or gradcache.batch_length(batch))
+                encode_in_chunks(encoder, batch, chunk_size or batch_length(batch))
                 for encoder, batch in zip(self.encoder_list(), self.batches)
             ]
         )
@@ -149,7 +150,7 @@ def first_pass_and_replays(setup, chunk_size):
     setup.grads_of(cached_loss(setup.loss_fn, setup.encoders, setup.batches, chunk_size))
     for handle in handles:
         handle.remove()
-    chunks = sum(-(-gradcache.batch_length(batch) // chunk_size) for batch in setup.batches)
+    chunks = sum(-(-batch_length(batch) // chunk_size) for batch in setup.batches)
     return calls[:chunks], calls[chunks:]
 
 
@@ -323,9 +324,7 @@ def test_bf16_autocast_replays_bitwise_and_matches_a_bf16_full_batch():
     # ~2.4e-3; ~9e-3 without the replay
     assert max_relative_error(grads, reference) <= tolerance(torch.bfloat16)
     torch.manual_seed(7)  # negative control: the same masks without autocast give other embeddings
-    assert not torch.equal(
-        setup.encoder_list()[0](gradcache.slice_batch(setup.batches[0], 0, 4)), first[0]
-    )
+    assert not torch.equal(setup.encoder_list()[0](slice_batch(setup.batches[0], 0, 4)), first[0])
 
 
 # ---- bad input
@@ -334,7 +333,7 @@ def test_bf16_autocast_replays_bitwise_and_matches_a_bf16_full_batch():
 
 def test_an_empty_batch_is_refused():
     setup = make_setup()
-    setup.batches[1] = gradcache.slice_batch(setup.batches[1], 0, 0)
+    setup.batches[1] = slice_batch(setup.batches[1], 0, 0)
     with pytest.raises(ValueError, match="branch 1 is an empty batch"):
         cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
 
@@ -356,7 +355,7 @@ def test_a_chunk_size_that_is_not_a_positive_integer_is_refused(chunk_size):
 
 def test_branches_of_lengths_the_loss_cannot_pair_are_refused():
     setup = make_setup()
-    setup.batches[1] = gradcache.slice_batch(setup.batches[1], 0, BATCH - 1)
+    setup.batches[1] = slice_batch(setup.batches[1], 0, BATCH - 1)
     with pytest.raises(ValueError, match="5 documents for 6 queries"):
         cached_loss(setup.loss_fn, setup.encoders, setup.batches, 4)
 

@@ -19,7 +19,7 @@ from conftest import planted_pair
 
 from gcbs_lib import reproduce, train
 from gcbs_lib.data.sts import STS_YEARS
-from gcbs_lib.results import read_rows
+from gcbs_lib.rows import read_rows
 
 # plain vocabulary entries in UniXcoder
 MODE_TOKENS = ["<encoder-only>", "<decoder-only>", "<encoder-decoder>"]

@@ -15,7 +15,7 @@ import yaml
 
 from gcbs_lib import reproduce
 from gcbs_lib.reproduce import discover, typed
-from gcbs_lib.results import RESULTS_DIR_VARIABLE, read_rows
+from gcbs_lib.rows import RESULTS_DIR_VARIABLE, read_rows
 
 NOTEBOOKS = reproduce.NOTEBOOKS
 HEADER = (
@@ -45,7 +45,7 @@ seeds = [0, 1]
 
 # %% tags=["figure:line"]
 import matplotlib.pyplot as plt
-from gcbs_lib.results import record, result_row
+from gcbs_lib.rows import record, result_row
 plt.plot([0, n])
 plt.show()
 rows = [result_row(experiment=name, arm=arm, seed=seed, metric="score",

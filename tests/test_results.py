@@ -1,4 +1,4 @@
-"""Result rows, the paper-vs-kit table built from them, and the tables generated from committed
+"""The paper-vs-kit table built from result rows, and the tables generated from committed
 rows: the README's headline table and the full one of docs/results.md."""
 
 import json
@@ -10,17 +10,8 @@ import pytest
 from gcbs_lib import results
 from gcbs_lib.data import write_atomic
 from gcbs_lib.experiments.codesearch import DATA_NAMES
-from gcbs_lib.results import (
-    build_table,
-    collect,
-    number,
-    read_rows,
-    record,
-    result_row,
-    to_markdown,
-    update_pages,
-    write_rows,
-)
+from gcbs_lib.results import build_table, collect, number, to_markdown, update_pages
+from gcbs_lib.rows import read_outputs, read_rows, result_row, write_outputs, write_rows
 
 
 def row(
@@ -44,23 +35,6 @@ def row(
     )
 
 
-def test_rows_round_trip_and_bad_rows_are_refused_with_a_clear_error(tmp_path):
-    rows = [row("random", 0, 0.5), row("gcbs", 0, 0.25)]
-    assert read_rows(write_rows(tmp_path / "r.json", rows)) == rows
-    with pytest.raises(ValueError, match="exactly the keys"):
-        results.check_row({**rows[0], "extra": 1})
-    with pytest.raises(ValueError, match="finite value"):
-        row("gcbs", 1, float("nan"))
-    with pytest.raises(ValueError, match="non-empty names"):
-        row("", 1, 0.5)
-    (tmp_path / "bad.json").write_text('{"not": "a list"}')
-    with pytest.raises(ValueError, match="JSON list"):
-        read_rows(tmp_path / "bad.json")
-    (tmp_path / "cut.json").write_text('[{"experiment": ')
-    with pytest.raises(ValueError, match="cut.json is not valid JSON"):
-        read_rows(tmp_path / "cut.json")
-
-
 def test_the_command_line_names_a_missing_or_corrupt_run_json_in_one_line(tmp_path, capsys):
     corrupt = fake_run(tmp_path / "corrupt", [row("random", 0, 0.5)])
     (corrupt / "run.json").write_text('{"command": ')
@@ -74,13 +48,6 @@ def test_the_command_line_names_a_missing_or_corrupt_run_json_in_one_line(tmp_pa
 def test_an_atomic_write_leaves_no_temporary_file(tmp_path):
     assert write_atomic(tmp_path / "deep" / "f.txt", "text").read_text() == "text"
     assert [p.name for p in (tmp_path / "deep").iterdir()] == ["f.txt"]
-
-
-def test_record_writes_into_the_runner_folder_and_nothing_without_it(tmp_path, monkeypatch):
-    monkeypatch.delenv(results.RESULTS_DIR_VARIABLE, raising=False)
-    assert record([row("random", 0, 0.5)], "04_x") is None
-    monkeypatch.setenv(results.RESULTS_DIR_VARIABLE, str(tmp_path))
-    assert read_rows(record([row("random", 0, 0.5)], "04_x")) == [row("random", 0, 0.5)]
 
 
 def test_table_gives_mean_and_sample_sd_over_seeds_and_the_paired_delta_with_its_t_interval():
@@ -241,7 +208,7 @@ OUTPUTS = [
 
 def fake_run(folder, rows, status="ok"):
     write_rows(folder / "results" / "04_gcbs_codesearch.json", rows)
-    results.write_outputs(folder / "results" / "04_gcbs_codesearch.json", OUTPUTS)
+    write_outputs(folder / "results" / "04_gcbs_codesearch.json", OUTPUTS)
     write_rows(
         folder / "results" / "03_gcbs_sampling.json",
         [row("random", 0, 0.5, experiment="gcbs_sampling")],
@@ -279,7 +246,7 @@ def test_collect_copies_rows_of_notebooks_that_ran_with_provenance_and_the_table
     ]
     assert read_rows(committed / "04_gcbs_codesearch.cpu.json") == rows
     # the per-item outputs travel with their rows
-    assert results.read_outputs(committed / "04_gcbs_codesearch.cpu.json") == OUTPUTS
+    assert read_outputs(committed / "04_gcbs_codesearch.cpu.json") == OUTPUTS
     assert json.loads((committed / "provenance.json").read_text())[
         "04_gcbs_codesearch.cpu.json"
     ] == {

@@ -4,8 +4,6 @@ arms, a verdict on the primary metric only, one checkpoint rule for both arms, a
 `python -m gcbs_lib.results verify` recomputing what is committed. Planted code-search outputs:
 each query's rank among 1,000 candidates."""
 
-import json
-
 import numpy as np
 import pytest
 
@@ -14,7 +12,8 @@ from gcbs_lib.experiments.codesearch import CodeSearch
 from gcbs_lib.experiments.milnce import MilNce
 from gcbs_lib.experiments.moco import MoCo
 from gcbs_lib.experiments.simcse import SimCSE
-from gcbs_lib.results import build_table, write_rows
+from gcbs_lib.results import build_table
+from gcbs_lib.rows import result_row, write_outputs, write_rows
 
 
 def ranked(ranks, clusters=None) -> dict:
@@ -29,7 +28,7 @@ def runs(arm: str, ranks_by_seed: dict, checkpoint="best", clusters=None) -> tup
         outputs = ranked(ranks, clusters)
         for metric, value in CodeSearch.scores(outputs).items():
             rows.append(
-                results.result_row(
+                result_row(
                     experiment="codesearch",
                     arm=arm,
                     seed=seed,
@@ -255,7 +254,7 @@ def test_verify_recomputes_rows_and_the_generated_tables_from_the_committed_outp
 
     def commit(rows, records):
         write_rows(folder / "04_x.cpu.json", rows)
-        results.write_outputs(folder / "04_x.cpu.json", records)
+        write_outputs(folder / "04_x.cpu.json", records)
 
     _, rows, records = comparison(random, gcbs, start)
     commit(rows, records)
@@ -282,14 +281,3 @@ def test_verify_recomputes_rows_and_the_generated_tables_from_the_committed_outp
 
 def test_the_committed_results_verify():
     assert results.verify() is None
-
-
-def test_outputs_are_written_a_record_a_line_and_a_corrupt_file_is_named(tmp_path):
-    _, _, records = comparison({0: [1, 2]}, {0: [1, 1]}, {0: [3, 4]})
-    path = results.write_outputs(tmp_path / "r.json", records)
-    assert path.name == "r.outputs.jsonl"
-    assert [json.loads(line) for line in path.read_text().splitlines()] == records
-    assert results.read_outputs(tmp_path / "r.json") == records
-    path.write_text('{"experiment": \n')
-    with pytest.raises(ValueError, match="r.outputs.jsonl is not valid JSON Lines"):
-        results.read_outputs(tmp_path / "r.json")

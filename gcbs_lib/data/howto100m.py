@@ -19,14 +19,15 @@ FPS = {"2d": 1.0, "3d": 1.5}  # feature rows per second of each stream
 MIN_TIME = 5.0  # the MIL-NCE loader widens shorter clip windows to this many seconds
 
 
-def _read_csv_captions(path: Path) -> dict[str, list]:
+def read_csv_captions(path: Path) -> dict[str, list]:
+    """One video's caption columns from its `<video_id>.csv`, unchecked (see `plain_captions`)."""
     with open(path, newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
         rows = list(reader)
     return {key: [row[key] for row in rows] for key in reader.fieldnames or ()}
 
 
-def _plain_captions(video_id: str, entry) -> dict[str, list]:
+def plain_captions(video_id: str, entry) -> dict[str, list]:
     """One video's captions as lists (float start, float end, str text), checked."""
     where = f"video {video_id!r}"
     keys = isinstance(entry, Mapping) and {"start", "end", "text"} <= set(entry)
@@ -62,8 +63,8 @@ def read_captions(path: str | Path, skipped: dict | None = None) -> dict[str, di
     captions = {}
     for key, entry in raw.items():
         try:
-            entry = _read_csv_captions(entry) if path.is_dir() else entry
-            captions[str(key)] = _plain_captions(str(key), entry)
+            entry = read_csv_captions(entry) if path.is_dir() else entry
+            captions[str(key)] = plain_captions(str(key), entry)
         except (ValueError, TypeError, csv.Error) as error:  # a UnicodeDecodeError is a ValueError
             if skipped is None:
                 raise
