@@ -277,6 +277,15 @@ half_width = committed_plan("04_gcbs_codesearch", "codesearch", "test_mrr", budg
 print(inspect.getsource(Trainer._sample))
 
 # %% [markdown]
+# **The training step.** Every arm then trains through the same step: the loss of the planned batch backward
+# (through GradCache when `chunk_size` is set, its gradients summed over the ranks), clipped, checked for a
+# non-finite loss and for ranks out of sync, and one optimizer step. `_backward` holds the forward and backward
+# passes (notebooks 01–02 derive why they are exact):
+
+# %%
+print(inspect.getsource(Trainer._train_step))
+
+# %% [markdown]
 # Mining draws one code per query from ranks `mine_skip` … `mine_top_k`−1 of the codes outside its batch and
 # duplicate group (the very top ranks are passed over as likely unlabelled matches), block by block of rows:
 
