@@ -210,16 +210,16 @@ line = deltas["gcbs/test_spearman"]
 print(f"verdict on test Spearman: {line.verdict}")
 
 # %% [markdown]
-# **What the committed `cpu` run says** (four pre-registered seeds, build @42f21b6, judged under protocol v2;
-# the full table in `docs/results.md`, from `results/05_gcbs_simcse.cpu.json`). The start clears chance and
-# TF-IDF (0.111) by far: 0.438 mean test Spearman. SimCSE's objective then lowers the score in both arms:
-# random's gain over the start is −0.040 [−0.093, +0.013] and GCBS's −0.032 [−0.070, +0.005], so the verdict
-# reads *not measurable here*, and GCBS's Δ, +0.008 [−0.037, +0.053] on best-dev checkpoints, says nothing about
-# GCBS. The last step, shown beside it, is −0.050 [−0.091, −0.009]: GCBS's last-step model falls furthest (Lee
-# 0.20 against random's 0.32). As in the pilot, the dev Lee pairs rise while the three test sets fall. The
-# diagnostic shows GCBS doing what it promises: its first batches' loss gap is the smaller (2.93 against 3.17
-# nats). So none of the starts measured (the intro's "The start model") lets this comparison measure GCBS on
-# laptop data.
+# **What the committed `cpu` run says** (four pre-registered seeds from the shipped start @86dde90, judged under
+# protocol v2; the full table in `docs/results.md`, from `results/05_gcbs_simcse.cpu.json`). The start clears
+# chance and TF-IDF (0.111) by far: 0.446 mean test Spearman. SimCSE's objective then lowers the score in both
+# arms: random's gain over the start is −0.038 [−0.091, +0.015] and GCBS's −0.061 [−0.108, −0.015], so the
+# verdict reads *not measurable here*, and GCBS's Δ, −0.023 [−0.081, +0.034] on best-dev checkpoints, says
+# nothing about GCBS. The last step, shown beside it, is −0.045 [−0.090, −0.001]. The earlier start @42f21b6
+# read the same (random −0.040, GCBS −0.032 over the start). The diagnostic shows GCBS doing what it promises:
+# its first batches' loss gap is the smaller (2.94 against 3.17 nats), at k = 17.0 neighbours per item (19.2
+# edges per item, 0.127 isolated). So none of the starts measured lets this comparison measure GCBS on laptop
+# data.
 
 # %% [markdown]
 # ## 6 · Dev Spearman, the loss gap, and Δ
