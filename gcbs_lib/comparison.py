@@ -1,7 +1,9 @@
 """Samplers compared on the same seeds (random vs GCBS batches): score the start, train each (arm,
 seed), tabulate with a verdict, plot."""
 
+import multiprocessing
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
 from gcbs_lib import results
+from gcbs_lib.check import require
 from gcbs_lib.launcher import launch
 from gcbs_lib.rows import read_rows
 from gcbs_lib.train import Trainer, load_config, train
@@ -25,37 +28,91 @@ def arm_configs(experiment, profile, arms, seeds, overrides=None) -> dict:
 
 
 def run_arms(
-    experiment, profile, arms, seeds, folder, overrides=None, *, nproc=1, backend="gloo"
+    experiment,
+    profile,
+    arms,
+    seeds,
+    folder,
+    overrides=None,
+    *,
+    nproc=1,
+    backend="gloo",
+    devices=None,
 ) -> dict:
-    """`{(arm, seed): summary}` of `train` for each of `arm_configs`: in this process, or on `nproc`
-    ranks of `backend` by torchrun (rank 0's summary comes back); `("start", seed)`: the untrained
-    model's test rows and outputs (what training is measured against); the trivial baseline's, if
-    the experiment has one, as `("baseline-<name>", first seed)`. Prints a line per run."""
-    summaries = {}
+    """`{(arm, seed): summary}` of `run_arm` for each of `arm_configs`, the first of each seed
+    scoring its start: in turn in this process (or each on `nproc` ranks); or, with more than one
+    of `devices` (single-process runs only), side by side: the k-th run on devices[k % n] in that
+    device's own process, its start scored there too, so this process holds no GPU the runs use.
+    Prints each run's lines in that order, once it and the runs before it are done."""
+    require(devices is None or nproc == 1, "devices: single-process runs (DDP's ranks have theirs)")
+    require(devices != [], "devices: name at least one, e.g. ['cuda:0', 'cuda:1']")
+    gpus = [device for device in devices or () if device != "cpu"]
+    require(len(set(gpus)) == len(gpus), f"devices {devices}: a GPU named twice")
+
+    # run_arm's config, folder, start (seed-major: each seed's first run) and baseline, in order
+    jobs = []
     for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
-        output_dir = Path(folder) / f"{arm}-seed{seed}"
-        if ("start", seed) not in summaries:  # the untrained model, and a trivial scorer
-            start = Trainer(replace(config, sampler="random", arm="start"), output_dir)
-            rows, outputs = start.score()
-            summaries["start", seed] = {"rows": rows, "outputs": {"best": outputs}}
-            print(f"start seed {seed}: untrained, test {scores_text(rows)}")
-            trivial = start.experiment.baseline() if seed == seeds[0] else None
-            if trivial is not None:
-                name, outputs = trivial
-                scored = start.result_rows(start.experiment.scores(outputs), "test_")
-                rows = [{**row, "arm": f"baseline-{name}"} for row in scored]
-                summaries[f"baseline-{name}", seed] = {"rows": rows, "outputs": {"best": outputs}}
-                print(f"trivial baseline {name}: test {scores_text(rows)}")
-        if nproc == 1:
-            summary = train(config, output_dir)
-        else:
-            args = {"config": asdict(config), "output_dir": str(output_dir)}
-            ranks = dict(nproc=nproc, backend=backend, timeout=config.collective_timeout)
-            summary = launch("gcbs_lib.train:launched", echo=False, args=args, **ranks)
-        summaries[arm, seed] = summary
-        steps = f"{summary['steps']} steps, best dev at step {summary['best_step']}"
-        print(f"{arm} seed {seed}: {steps}, test {scores_text(summary['rows'])}")
+        jobs.append((config, Path(folder) / f"{arm}-seed{seed}", arm == arms[0], seed == seeds[0]))
+
+    if devices is None or len(devices) == 1:
+        results = (run_arm(*job, nproc=nproc, backend=backend) for job in jobs)
+    else:
+        results = on_devices(jobs, devices)
+    summaries = {}
+    for result, lines in results:
+        print(*lines, sep="\n")
+        summaries |= result
     return summaries
+
+
+def run_arm(config, output_dir, start=False, baseline=False, *, nproc=1, backend="gloo") -> tuple:
+    """`train` in this process, or on `nproc` ranks of `backend` by torchrun (rank 0's summary comes
+    back); before it, if `start`, the untrained model's test rows and outputs (what training is
+    measured against) as `("start", seed)` and, if also `baseline` and the experiment has one, the
+    trivial scorer's as `("baseline-<name>", seed)`. Returns the summaries and a line for each."""
+    summaries, lines = {}, []
+    arm, seed = config.sampler, config.seed
+
+    if start:
+        trainer = Trainer(replace(config, sampler="random", arm="start"), output_dir)
+        rows, outputs = trainer.score()
+        summaries["start", seed] = {"rows": rows, "outputs": {"best": outputs}}
+        lines.append(f"start seed {seed}: untrained, test {scores_text(rows)}")
+        trivial = trainer.experiment.baseline() if baseline else None
+        if trivial is not None:
+            name, outputs = trivial
+            scored = trainer.result_rows(trainer.experiment.scores(outputs), "test_")
+            rows = [{**row, "arm": f"baseline-{name}"} for row in scored]
+            summaries[f"baseline-{name}", seed] = {"rows": rows, "outputs": {"best": outputs}}
+            lines.append(f"trivial baseline {name}: test {scores_text(rows)}")
+
+    if nproc == 1:
+        summary = train(config, output_dir)
+    else:
+        args = {"config": asdict(config), "output_dir": str(output_dir)}
+        ranks = dict(nproc=nproc, backend=backend, timeout=config.collective_timeout)
+        summary = launch("gcbs_lib.train:launched", echo=False, args=args, **ranks)
+    summaries[arm, seed] = summary
+    steps = f"{summary['steps']} steps, best dev at step {summary['best_step']}"
+    lines.append(f"{arm} seed {seed}: {steps}, test {scores_text(summary['rows'])}")
+    return summaries, lines
+
+
+def on_devices(jobs: list[tuple], devices: list[str]):
+    """`run_arm`'s results for `jobs` (config, arguments) in their order, as they come: the k-th
+    with its config's device devices[k % n], in that device's one process (spawned)."""
+    spawn = multiprocessing.get_context("spawn")
+    pools = [ProcessPoolExecutor(1, mp_context=spawn) for _ in devices]
+
+    try:
+        futures = []
+        for k, (config, *more) in enumerate(jobs):
+            placed = replace(config, device=devices[k % len(devices)])
+            futures.append(pools[k % len(devices)].submit(run_arm, placed, *more))
+        yield from (future.result() for future in futures)
+    finally:  # after a failure: the runs not started yet never start
+        for pool in pools:
+            pool.shutdown(cancel_futures=True)
 
 
 def scores_text(rows: list[dict]) -> str:

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--only", nargs="+", metavar="NN", help="run only these notebooks (number or name)")
     pairs = dict(nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
     add("-p", "--parameter", **pairs, help="set a parameter in every notebook that has it")
-    add("--nproc", type=int, help="ranks for the notebooks that launch them (parameter nproc)")
+    add("--nproc", type=int, help="ranks a run, or GPUs for side-by-side runs (parameter nproc)")
     add("--backend", choices=("gloo", "nccl"), help="process-group backend (parameter backend)")
     add("--output-dir", type=Path, help="where to write (default: runs/<timestamp>/)")
     add("--fail-fast", action="store_true", help="stop at the first failing notebook")

@@ -50,7 +50,7 @@ class TrainConfig:
     seed: int = 0
     sampler: Literal["random", "gcbs", "hard_negatives"] = "random"
     arm: str | None = None  # result rows' arm (default: the sampler's name)
-    device: str = "cpu"  # "cpu" or "cuda" (each DDP rank takes cuda:LOCAL_RANK)
+    device: str = "cpu"  # "cpu", "cuda" (each DDP rank takes cuda:LOCAL_RANK) or one GPU, "cuda:3"
     batch_size: int = 64  # global: all ranks together
     chunk_size: int | None = None  # GradCache chunk per rank; None: one plain forward and backward
     epochs: int = 1
@@ -606,9 +606,10 @@ class Trainer:
 
 
 def rank_device(kind: str) -> torch.device:
-    """The CPU, or this rank's GPU (cuda:LOCAL_RANK) made current, with TF32 matmuls and convs."""
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if kind == "cuda" else "cpu")
-    if kind == "cuda":
+    """The CPU, the GPU `kind` names ("cuda:3"), or for "cuda" this rank's (cuda:LOCAL_RANK); a GPU
+    is made current, with TF32 matmuls and convs."""
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if kind == "cuda" else kind)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device

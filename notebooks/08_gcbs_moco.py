@@ -43,6 +43,7 @@ data = "mnist5k"  # mnist5k | fashion-mnist | cifar10 (the paper's data)
 seeds = [0, 1]
 arms = ["random", "gcbs"]  # samplers compared; "random" is the baseline
 overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
+nproc = 1  # with device "cuda": GPUs cuda:0 … cuda:nproc-1, each training one run at a time in its process
 output_dir = "../runs/08_gcbs_moco"  # one folder per run; a finished run is loaded, not retrained
 
 # %%
@@ -70,6 +71,7 @@ from gcbs_lib.seeding import stream_seed
 from gcbs_lib.train import load_config
 
 settings = {**overrides, "device": device, "data": data}
+devices = [f"cuda:{k}" for k in range(nproc)] if device == "cuda" else None  # on the CPU: in turn
 config = load_config("moco", profile, {**settings, "seed": seed})
 torch.manual_seed(seed)
 print(f"profile={profile}  data={data}  device={device}  arms={arms}  seeds={seeds}")
@@ -238,10 +240,14 @@ half_width = committed_plan("08_gcbs_moco", "moco", "test_knn_accuracy")
 # keys. Score: the weighted kNN accuracy of the MoCo CIFAR-10 demo on the query encoder's pooled features; the
 # `start` row scores each seed's untrained model, and `baseline-raw-pixels` the same kNN vote on raw pixels. Δ's
 # 95 % bootstrap interval over seeds × test images gives the verdict: *GCBS better* (above 0), *GCBS worse*
-# (below 0) or *not resolved*, where the gate passes (section 6); else *not measurable here*.
+# (below 0) or *not resolved*, where the gate passes (section 6); else *not measurable here*. On a GPU node
+# (`--nproc 8`) the runs and the starts' scoring go side by side, one process a GPU (`run_arms(devices=...)`);
+# each line prints once its run and those before it are done.
 
 # %%
-summaries = run_arms("moco", profile, arms, seeds, Path(output_dir) / profile / data, settings)
+summaries = run_arms(
+    "moco", profile, arms, seeds, Path(output_dir) / profile / data, settings, devices=devices
+)
 lines = arms_table(summaries, stand_in="NOT CIFAR-10")  # the GCBS paper gives no MoCo number
 rows = rows_of(summaries)
 record(rows, "08_gcbs_moco", outputs_of(summaries))
@@ -281,9 +287,8 @@ print(f"log(N/B) = {torch.log(torch.tensor(train_size / config.batch_size)).item
 
 # %%
 print(inspect.getsource(SimCLR))
-batch_summaries = run_arms(
-    "simclr", profile, arms, seeds, Path(output_dir) / profile / data / "simclr", settings
-)
+batch_folder = Path(output_dir) / profile / data / "simclr"
+batch_summaries = run_arms("simclr", profile, arms, seeds, batch_folder, settings, devices=devices)
 batch_lines = arms_table(batch_summaries, stand_in="NOT CIFAR-10")
 batch_rows = rows_of(batch_summaries)
 record(batch_rows, "08_gcbs_moco", outputs_of(batch_summaries))

@@ -2,8 +2,12 @@
 process or on gloo ranks through torchrun (the tiny code-search encoder on planted pairs,
 `data_root` in conftest); and the helpers on hand-made run summaries."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
+from conftest import child_command_lines
 
 from gcbs_lib.comparison import (
     arm_configs,
@@ -105,6 +109,38 @@ def test_with_nproc_2_each_run_trains_on_two_gloo_ranks_the_model_of_one_process
     assert rows_of(two) == [
         {**row, "value": pytest.approx(row["value"], abs=1e-9)} for row in rows_of(one)
     ]
+
+
+def test_with_two_devices_the_runs_go_side_by_side_each_device_in_its_process_with_the_same_rows(
+    tmp_path, data_root, capsys
+):
+    runs = ("codesearch", "ci", ["random", "gcbs"], [0])
+    one = run_arms(*runs, tmp_path / "one", tiny(data_root))
+    printed = capsys.readouterr().out
+    workers = []  # how many spawned workers run at each look while the runs go
+    with ThreadPoolExecutor(1) as thread:
+        side = thread.submit(
+            run_arms, *runs, tmp_path / "side", tiny(data_root), devices=["cpu", "cpu"]
+        )
+        while not side.done():
+            workers.append(sum("spawn_main" in " ".join(line) for line in child_command_lines()))
+            time.sleep(0.05)
+    assert rows_of(side.result()) == rows_of(one)  # bitwise: the same runs, elsewhere
+    assert max(workers) == 2  # one process a device, both at once
+    assert capsys.readouterr().out == printed  # the same lines, in the same order
+
+
+@pytest.mark.parametrize(
+    "devices, nproc, error",
+    [
+        (["cuda:0", "cuda:1"], 2, "single-process runs"),
+        ([], 1, "name at least one"),
+        (["cuda:0", "cpu", "cuda:0"], 1, "a GPU named twice"),
+    ],
+)
+def test_devices_that_cannot_take_the_runs_are_refused(tmp_path, devices, nproc, error):
+    with pytest.raises(ValueError, match=error):
+        run_arms("codesearch", "ci", ["random"], [0], tmp_path, devices=devices, nproc=nproc)
 
 
 def test_a_run_that_fails_on_its_ranks_raises_with_the_ranks_error(tmp_path, data_root):

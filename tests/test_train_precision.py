@@ -166,7 +166,7 @@ def test_a_run_stopped_mid_way_resumes_to_bitwise_the_uninterrupted_run_with_its
     assert logged[0] == logged[1] and len(logged[0]) == 8
 
 
-def test_each_rank_takes_its_local_gpu_with_tf32_matmuls_and_the_cpu_is_left_as_it_is(
+def test_each_rank_takes_its_local_gpu_or_the_one_named_with_tf32_and_the_cpu_is_left_as_it_is(
     monkeypatch,
 ):
     """The CUDA branch, run on a CPU machine with torch.cuda.set_device stubbed."""
@@ -181,5 +181,7 @@ def test_each_rank_takes_its_local_gpu_with_tf32_matmuls_and_the_cpu_is_left_as_
         assert not matmul.allow_tf32 and not cudnn.allow_tf32
         assert gcbs_lib.train.rank_device("cuda") == torch.device("cuda:3") == current[0]
         assert matmul.allow_tf32 and cudnn.allow_tf32
+        # a GPU named (run_arms' side-by-side runs), whatever the rank
+        assert gcbs_lib.train.rank_device("cuda:5") == torch.device("cuda:5") == current[1]
     finally:
         matmul.allow_tf32, cudnn.allow_tf32 = flags
