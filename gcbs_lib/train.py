@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
         "python -m gcbs_lib.train", description="Train, resuming from OUTPUT_DIR."
     )
     parser.add_argument("--experiment", required=True, help=", ".join(experiments.available()))
-    parser.add_argument("--output-dir")
+    parser.add_argument("--output-dir", help="default: runs/EXPERIMENT-PROFILE-SAMPLER-seedSEED")
     parser.add_argument("--profile", default="ci")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--sampler", choices=get_args(get_type_hints(TrainConfig)["sampler"]))
@@ -655,11 +655,13 @@ def main(argv: list[str] | None = None) -> None:
         if arguments.print_config:
             print(yaml.safe_dump(asdict(config), sort_keys=False), end="")
             return
-        require(arguments.output_dir, "the following arguments are required: --output-dir")
+        # Without --output-dir, one folder per run under ./runs, named by what tells runs apart.
+        name = f"{config.experiment}-{arguments.profile}-{config.sampler}-seed{config.seed}"
+        output_dir = arguments.output_dir or Path("runs") / name
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
             timeout = collective_timeout(config.collective_timeout)
             dist.init_process_group("nccl" if config.device == "cuda" else "gloo", timeout=timeout)
-        trainer = Trainer(config, arguments.output_dir)
+        trainer = Trainer(config, output_dir)
     except (KeyError, ValueError, OSError) as error:
         parser.error(error.args[0] if isinstance(error, KeyError) else str(error))
     summary = trainer.fit()

@@ -273,9 +273,12 @@ def test_under_torchrun_a_timeout_that_is_not_seconds_exits_2_naming_it(
     assert not any(tmp_path.iterdir())
 
 
-def test_print_config_prints_the_resolved_settings_as_yaml_and_loads_nothing(tmp_path, capsys):
+def test_print_config_prints_the_resolved_settings_as_yaml_and_loads_nothing(
+    tmp_path, capsys, monkeypatch
+):
     """The paper recipe as it would run, checked before spending GPU hours: no data (its folder
-    does not exist), no model, nothing written; without --print-config, --output-dir is needed."""
+    does not exist), no model, nothing written; without --print-config, a run needs a folder:
+    --output-dir, or runs/EXPERIMENT-PROFILE-SAMPLER-seedSEED under the working directory."""
     run, missing = tmp_path / "run", tmp_path / "no-data"
     arguments = ["--experiment", "simcse", "--profile", "paper", "--seed", "4"]
     main([*arguments, "--output-dir", str(run), f"--set=data_root={missing}", "--print-config"])
@@ -291,7 +294,11 @@ def test_print_config_prints_the_resolved_settings_as_yaml_and_loads_nothing(tmp
     assert yaml.safe_load(capsys.readouterr().out) == asdict(
         load_config("simcse", "paper", {"seed": 4})
     )
-    assert "the following arguments are required: --output-dir" in refused(capsys, arguments)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "simcse-paper-random-seed4").touch()  # a file where the folder would go
+    message = "output directory runs/simcse-paper-random-seed4 is a file"
+    assert message in refused(capsys, arguments)
 
 
 def test_print_config_shows_the_gcbs_regime_and_controls_which_default_to_the_published_order(
