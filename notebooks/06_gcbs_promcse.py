@@ -152,13 +152,9 @@ print(cmp_table(gradcache_checks))
 # %% [markdown]
 # ## 4 · How many seeds
 #
-# A verdict follows the protocol of notebook 04 (section 3): the 95 % interval of
-# $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ from a paired bootstrap over seeds and test pairs
-# must clear 0, on best-dev checkpoints and on the last step alike, and only where the gate passes (chance: the gold scores shuffled across pairs; trivial baseline: TF-IDF of character n-grams).
-# The $t$-interval over $n$ paired seeds alone has half-width $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
-# the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
-# `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
-# measured is in the full table in `docs/results.md`.
+# The verdict follows notebook 04's protocol (section 3), resampling seeds × test pairs; here chance is the gold
+# scores shuffled across pairs, and the trivial baseline TF-IDF of character n-grams. The seed count was fixed
+# before the run from the last committed `cpu` run (its sd of Δ and seconds a seed), as printed below.
 
 # %%
 half_width = committed_plan("06_gcbs_promcse", "promcse", "test_spearman")

@@ -106,14 +106,10 @@ print(f"epoch 0 draws {len(drawn)} clips, one of each video: {one_each}")
 # counts a candidate that ties the match as ranked above it (pessimistic; the lesson's section 7 shows why the
 # official metrics code does not). Δ = mean over seeds of (GCBS − random) test R@10.
 #
-# A verdict follows the protocol of notebook 04 (section 3): the 95 % interval of
-# $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ from a paired bootstrap over seeds and test clips
-# must clear 0, on best-dev checkpoints and on the last step alike, and only where the gate passes (chance: each
-# caption's clip drawn at random; trivial baseline: the frozen caption encoder's own retrieval where the
-# features come from it). The $t$-interval over $n$ paired seeds alone has half-width
-# $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of the paired differences. A run's seed count is
-# fixed before it runs, from the last committed run of the `cpu` profile: its rows (`results/`) give $s_\Delta$,
-# its provenance the seconds a seed. What that run measured is in the full table in `docs/results.md`.
+# The verdict follows notebook 04's protocol (section 3), resampling seeds × test clips (by video); here chance
+# is each caption's clip drawn at random, and the trivial baseline, where the features come from a frozen text
+# encoder, that encoder's own caption → clip retrieval. The seed count was fixed before the run from the last
+# committed `cpu` run (its sd of Δ and seconds a seed), as printed below.
 
 # %%
 half_width = committed_plan("07_milnce_howto100m", "milnce", "test_r10")

@@ -220,13 +220,9 @@ plt.show()
 # %% [markdown]
 # ## 6 · How many seeds
 #
-# A verdict follows the protocol of notebook 04 (section 3): the 95 % interval of
-# $\Delta = \frac1n\sum_s (\text{gcbs}_s - \text{random}_s)$ from a paired bootstrap over seeds and test images
-# must clear 0, on best-dev checkpoints and on the last step alike, and only where the gate passes (chance: the labels shuffled across images; trivial baseline: the same kNN vote on raw pixels).
-# The $t$-interval over $n$ paired seeds alone has half-width $t_{0.975,\,n-1}\, s_\Delta / \sqrt{n}$, with $s_\Delta$ the sd of
-# the paired differences. A run's seed count is fixed before it runs, from the last committed run of the
-# `cpu` profile: its rows (`results/`) give $s_\Delta$, its provenance the seconds a seed. What that run
-# measured is in the full table in `docs/results.md`.
+# The verdict follows notebook 04's protocol (section 3), resampling seeds × test images; here chance is the
+# labels shuffled across images, and the trivial baseline the same kNN vote on raw pixels. The seed count was
+# fixed before the run from the last committed `cpu` run (its sd of Δ and seconds a seed), as printed below.
 
 # %%
 half_width = committed_plan("08_gcbs_moco", "moco", "test_knn_accuracy")
