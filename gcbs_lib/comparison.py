@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import scipy.stats
 from matplotlib.ticker import MaxNLocator
 
 from gcbs_lib import results
@@ -137,7 +138,8 @@ def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: 
     seconds = made["seconds"] / seeds
     print(f"committed run at {made['commit']}: s_Δ = {sd:.4g} over {seeds} seeds,")
     print(f"{seconds:.0f} s a seed on {made['cores']} cores; the next run's seeds:")
-    half = {n: results.half_width(sd, n) for n in range(2, 13)}
+    # t(0.975, n − 1)·sd/√n: the half-width of the 95 % t-interval of a mean of n values
+    half = {n: float(scipy.stats.t.ppf(0.975, n - 1)) * sd / n**0.5 for n in range(2, 13)}
     for n, h in half.items():
         minutes = n * seconds / 60
         over = "" if minutes <= budget_minutes else " (over budget)"

@@ -4,6 +4,7 @@ match: a tie counts above the match (pessimistic), so a model that scores everyt
 worst rank N, not the best."""
 
 import numpy as np
+import scipy.stats
 import torch
 import torch.nn.functional as F
 
@@ -91,14 +92,9 @@ def spearman(x, y) -> float:
     require(len(x) >= 2, f"x and y must hold at least 2 pairs, got {len(x)}")
     require(np.isfinite(x).all() and np.isfinite(y).all(), "x and y must be finite (no NaN or inf)")
     require(np.ptp(x) and np.ptp(y), "x or y is constant: Spearman's rho is undefined")
-    rx, ry = (r - r.mean() for r in map(_average_ranks, (x, y)))
+    # 1-based ranks, tied values given their average rank
+    rx, ry = (r - r.mean() for r in map(scipy.stats.rankdata, (x, y)))
     return float(rx @ ry / np.sqrt((rx @ rx) * (ry @ ry)))
-
-
-def _average_ranks(values: np.ndarray) -> np.ndarray:
-    """1-based ranks, tied values given their average rank."""
-    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
-    return (np.cumsum(counts) - (counts - 1) / 2)[inverse]
 
 
 def _as_array(values) -> np.ndarray:

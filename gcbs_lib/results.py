@@ -16,7 +16,6 @@ from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
-import scipy.stats
 
 from gcbs_lib import experiments, verdict
 from gcbs_lib.check import require
@@ -78,18 +77,6 @@ def summarize(values: list[float]) -> Summary | None:
         return None
     sd = statistics.stdev(values) if len(values) > 1 else None
     return Summary(statistics.fmean(values), sd, len(values))
-
-
-def half_width(sd: float, n: int) -> float:
-    """t(0.975, n − 1)·sd/√n: the half-width of the 95 % t-interval of a mean of n values."""
-    return float(scipy.stats.t.ppf(0.975, n - 1)) * sd / n**0.5
-
-
-def interval(differences: list[float]) -> tuple[float, float] | tuple[None, None]:
-    """The 95 % t-interval of the mean of paired `differences` over seeds alone (`verdict.welch_t`
-    with no test-item part); (None, None) below two."""
-    bounds = verdict.welch_t(np.asarray(differences), 0.0)
-    return (None, None) if bounds is None else bounds
 
 
 def where_paper(paper: PaperDelta | None, low: float, high: float) -> str:
@@ -155,7 +142,9 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
             if differences and metric.startswith("test_"):
                 judged = judge(runs, boot, experiment, metric, arm, summaries, paper)
             best, last_interval, *said, clusters = judged
-            measured = (delta, *interval(differences), best, last_delta, last_interval, *said)
+            # the 95 % t-interval over seeds alone (no test-item part); (None, None) below two
+            seeds_only = verdict.welch_t(np.asarray(differences), 0.0) or (None, None)
+            measured = (delta, *seeds_only, best, last_delta, last_interval, *said)
             diagnostics = first_epoch(groups, names[:1] + names[3:], arm)
             lines.append(
                 TableLine(
@@ -325,8 +314,7 @@ def headline(lines: list[TableLine]) -> str:
     ]
     for line in lines:
         if line.verdict and line.metric == "test_" + experiments.get(line.experiment).dev_metric:
-            scale = line.random.mean
-            delta = delta_text(line.delta, line.best or (line.low, line.high), "", scale)
+            delta = delta_text(line.delta, line.best or (line.low, line.high), "", line.random.mean)
             cells = (line.experiment, line.metric, delta, line.verdict, paper_text(line.paper))
             out.append(markdown_row(cells))
     return "\n".join(out) + "\n"
@@ -341,17 +329,8 @@ def to_csv(lines: list[TableLine]) -> str:
     summaries = [f"{who}_{part}" for who in ("start", "random", "arm") for part in Summary._fields]
     names = list(TableLine._fields[:6])  # experiment metric arm model data profile
     diagnostics = [f"{name}_{who}" for name in DIAGNOSTICS for who in ("random", "arm")]
-    numbers = [
-        "delta",
-        "low",
-        "high",
-        "best_low",
-        "best_high",
-        "last_delta",
-        "last_low",
-        "last_high",
-    ]
-    tail = ["paper_delta", "gate", "verdict", "clusters"]
+    numbers = "delta low high best_low best_high last_delta last_low last_high".split()
+    tail = "paper_delta gate verdict clusters".split()
     writer.writerow(names + summaries + numbers + tail + diagnostics + ["commit"])
     for line in lines:
         arms = (line.start, line.random, line.kit)

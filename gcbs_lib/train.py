@@ -284,17 +284,14 @@ class Trainer:
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
             n = int(self.group_codes.max()) + 1
         for key in ("mask_same_group", "gcbs_prune_groups"):
-            require(
-                named is not None or not getattr(config, key),
-                f"{key}: {config.experiment} names no groups",
-            )
+            grouped = named is not None or not getattr(config, key)
+            require(grouped, f"{key}: {config.experiment} names no groups")
         require(
             (config.gcbs_neighbours or 0) <= n,
             f"gcbs_neighbours must be at most N = {n}, the items of an epoch",
         )
-        if config.mask_same_group:
-            queue = f"mask_same_group: {config.experiment}'s negatives are a queue (ungrouped)"
-            require(self.experiment.in_batch_negatives, queue)
+        queue = f"mask_same_group: {config.experiment}'s negatives are a queue (ungrouped)"
+        require(self.experiment.in_batch_negatives or not config.mask_same_group, queue)
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
@@ -386,8 +383,7 @@ class Trainer:
             self.best = {"value": value, "step": self.step}
             state = {"model": self.model.state_dict(), **self.best}
             write_atomic(self.run.dir / "best.pt", partial(torch.save, state))
-        where = dict(kind="eval", split="dev", step=self.step, epoch=self.epoch)
-        self.run.log({**where, **scores})
+        self.run.log(dict(kind="eval", split="dev", step=self.step, epoch=self.epoch, **scores))
 
     def _plan_epoch(self) -> dict:
         """Each rank embeds its share of the epoch's items (all, or one per group drawn afresh);
@@ -630,20 +626,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         "python -m gcbs_lib.train", description="Train, resuming from OUTPUT_DIR."
     )
-    parser.add_argument("--experiment", required=True, help=", ".join(experiments.available()))
-    parser.add_argument("--output-dir", help="default: runs/EXPERIMENT-PROFILE-SAMPLER-seedSEED")
-    parser.add_argument("--profile", default="ci")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--sampler", choices=get_args(get_type_hints(TrainConfig)["sampler"]))
-    parser.add_argument("--print-config", action="store_true", help="print the settings as YAML")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a TrainConfig field or an option of the experiment (repeatable)",
-    )
+    add = parser.add_argument
+    add("--experiment", required=True, help=", ".join(experiments.available()))
+    add("--output-dir", help="default: runs/EXPERIMENT-PROFILE-SAMPLER-seedSEED")
+    add("--profile", default="ci")
+    add("--seed", type=int)
+    add("--sampler", choices=get_args(get_type_hints(TrainConfig)["sampler"]))
+    add("--print-config", action="store_true", help="print the settings as YAML")
+    repeated = dict(dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add("--set", **repeated, help="a TrainConfig field or an option of the experiment (repeatable)")
     arguments = parser.parse_args(argv)
     overrides = {
         k: getattr(arguments, k) for k in ("seed", "sampler") if getattr(arguments, k) is not None

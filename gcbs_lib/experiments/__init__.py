@@ -116,6 +116,13 @@ class Experiment(ABC):
         """Runs after each optimizer step, without gradients (MoCo's momentum update)."""
         return None
 
+    def embed_texts(self, model: nn.Module, texts: list[str], tokenize) -> torch.Tensor:
+        """Evaluation embeddings of `texts` (float32, on the CPU): `model` of `tokenize`'s inputs,
+        `eval_batch_size` texts at a time."""
+        size = self.options.eval_batch_size
+        batches = (tokenize(texts[i : i + size]) for i in range(0, len(texts), size))
+        return embed_in_batches(model, batches, self.device).float().cpu()
+
 
 @torch.no_grad()
 def embed_in_batches(model: nn.Module, batches: Iterable, device) -> torch.Tensor:

@@ -6,6 +6,7 @@ the whole pool, 0 beyond rank 1000. Data (FILES): UniXcoder's layouts, real or t
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from gcbs_lib.check import require
 from gcbs_lib.data import data_root, run_data_script
 from gcbs_lib.data.codesearch import load, retrieval_task
-from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_batches, to_device
+from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, to_device
 from gcbs_lib.metrics import mrr, recall_at, retrieval_ranks
 from gcbs_lib.models import MODEL_NAMES, text_encoder
 from gcbs_lib.seeding import fixed_subset
@@ -123,8 +124,8 @@ class CodeSearch(Experiment):
         """The rank of each of the split's queries' code in its whole pool; its cluster, the
         source (module, repository) it comes from."""
         task = self.tasks[split]
-        queries = self.embed(model, task.queries, "query")
-        pool = self.embed(model, task.codes, "code")
+        queries = self.embed_texts(model, task.queries, partial(self.tokens, side="query"))
+        pool = self.embed_texts(model, task.codes, partial(self.tokens, side="code"))
         ranks = retrieval_ranks(queries, pool, task.positive.clamp(0))
         ranks = ranks.masked_fill(task.positive < 0, 1001 + len(pool))  # no match: scored 0
         candidates = [len(pool)] * len(ranks)
@@ -138,12 +139,6 @@ class CodeSearch(Experiment):
         ranks = outputs["queries"]["rank"]
         recalls = {f"recall@{k}": recall_at(ranks, k) for k in (1, 10)}
         return {"mrr": mrr(ranks, cutoff=1000), **recalls}
-
-    def embed(self, model: nn.Module, texts: list[str], side: str) -> torch.Tensor:
-        """Evaluation embeddings of `texts` (float32, on the CPU), `eval_batch_size` at a time."""
-        size = self.options.eval_batch_size
-        batches = (self.tokens(texts[i : i + size], side) for i in range(0, len(texts), size))
-        return embed_in_batches(model, batches, self.device).float().cpu()
 
 
 def duplicate_groups(pairs: list[dict]) -> list[int]:

@@ -6,6 +6,7 @@ papers print ×100) on SentEval or the stand-in (NOT STS)."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from torch import nn
 
 from gcbs_lib.data import data_root, ensure_built, read_json, sts
-from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_batches, to_device
+from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, to_device
 from gcbs_lib.metrics import spearman
 from gcbs_lib.models import MODEL_NAMES, text_encoder
 from gcbs_lib.seeding import fixed_subset
@@ -92,10 +93,11 @@ class SimCSE(Experiment):
         """Each pair's cosine (to 6 decimals) and gold score, task by task; a Lee pair's cluster,
         its two documents (numbered by text)."""
         outputs = {}
+        tokenize = partial(self.encoder.tokenize, max_length=self.options.eval_max_length)
         for name, (first, second, gold) in self.tasks[split].items():
             # a Lee document is in 24 pairs: encode it once
             distinct, rows = np.unique(first + second, return_inverse=True)
-            vectors = self.embed(model, distinct.tolist())[torch.from_numpy(rows)]
+            vectors = self.embed_texts(model, distinct.tolist(), tokenize)[torch.from_numpy(rows)]
             cosines = F.cosine_similarity(*vectors.split(len(first)), dim=-1)
             outputs[name] = pair_outputs(cosines.numpy(), gold)
             # Lee's pairs are all pairs of 25 documents: the bootstrap resamples documents
@@ -123,14 +125,6 @@ class SimCSE(Experiment):
             ranking = np.ptp(predicted) and np.ptp(gold)
             scores[f"spearman_{name}"] = spearman(predicted, gold) if ranking else 0.0
         return {"spearman": sum(scores.values()) / len(scores), **scores}
-
-    def embed(self, model: nn.Module, texts: list[str]) -> torch.Tensor:
-        """Evaluation embeddings of `texts` (float32, on the CPU), `eval_batch_size` at a time."""
-        size, length = self.options.eval_batch_size, self.options.eval_max_length
-        batches = (
-            self.encoder.tokenize(texts[i : i + size], length) for i in range(0, len(texts), size)
-        )
-        return embed_in_batches(model, batches, self.device).float().cpu()
 
 
 def pair_outputs(cosines: np.ndarray, gold) -> dict[str, list]:
