@@ -284,8 +284,10 @@ class Trainer:
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
             n = int(self.group_codes.max()) + 1
         for key in ("mask_same_group", "gcbs_prune_groups"):
-            grouped = named is not None or not getattr(config, key)
-            require(grouped, f"{key}: {config.experiment} names no groups")
+            require(
+                named is not None or not getattr(config, key),
+                f"{key}: {config.experiment} names no groups",
+            )
         require(
             (config.gcbs_neighbours or 0) <= n,
             f"gcbs_neighbours must be at most N = {n}, the items of an epoch",
@@ -633,8 +635,14 @@ def main(argv: list[str] | None = None) -> None:
     add("--seed", type=int)
     add("--sampler", choices=get_args(get_type_hints(TrainConfig)["sampler"]))
     add("--print-config", action="store_true", help="print the settings as YAML")
-    repeated = dict(dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    add("--set", **repeated, help="a TrainConfig field or an option of the experiment (repeatable)")
+    add(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a TrainConfig field or an option of the experiment (repeatable)",
+    )
     arguments = parser.parse_args(argv)
     overrides = {
         k: getattr(arguments, k) for k in ("seed", "sampler") if getattr(arguments, k) is not None

@@ -174,6 +174,7 @@ def mil_nce_in_a_few_lines(video, text, bag_idx, tau, direction):
     return (denominator - positive).mean()
 
 
+# %%
 g = torch.Generator().manual_seed(seed)
 B, K, D, tau = 6, 3, 16, 0.1
 video = torch.randn(B, D, generator=g, dtype=torch.float64)
@@ -206,6 +207,7 @@ def official_milnce(video, text):
     return (denominator - nominator).mean()
 
 
+# %%
 single = torch.arange(B)[:, None]
 S1 = video @ text[:B].T / tau
 ones = (torch.ones(B, D), torch.ones(B * K, D))
@@ -225,6 +227,10 @@ form_rows = [
         mil_nce(video, text, bags, 1.0, "both"),
         official_milnce(video, text),
     ),
+]
+
+# %%
+form_rows += [
     compare(
         "K copies of a caption = K=1",
         mil_nce(video, text[:B].repeat_interleave(K, 0), bags, tau, "both"),
@@ -466,6 +472,7 @@ sweep = {
     for sd in seeds
 }
 r10 = {(s, k): np.mean([sweep[s, k, sd]["r10"] for sd in seeds]) for s in sigmas for k in bag_sizes}
+# %%
 plt.figure(figsize=(5, 3.2))
 for s in sigmas:
     plt.plot(bag_sizes, [r10[s, k] for k in bag_sizes], "o-", label=f"σ = {s:g} s")
@@ -507,6 +514,7 @@ def official_compute_metrics(x):
     }
 
 
+# %%
 tied = np.eye(4) * 0.5 + 0.1
 tied[0] = 0.3  # query 0 scores all four candidates equally: a collapsed embedding
 ours = ranks(torch.tensor(tied), torch.arange(4))
@@ -611,6 +619,7 @@ for (s, k, sd), metrics in sweep.items():
         )
         for name in ("r1", "r5", "r10", "median_rank")
     ]
+# %%
 result_rows += [
     result_row(
         experiment="milnce-loss-memory",
