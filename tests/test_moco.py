@@ -6,6 +6,7 @@ resumes its queue bitwise. Runs on planted images written as Fashion-MNIST IDX f
 
 import colorsys
 import copy
+from functools import partial
 
 import numpy as np
 import pytest
@@ -375,7 +376,8 @@ def test_the_key_branch_normalises_each_positive_key_with_other_images_than_its_
     branch encodes the batch in a shuffled order (drawn after its views from the step's stream) and
     unshuffles the keys, so key i sits in a split of other images than query i; the keys are those
     of the shuffled batch, put back in order."""
-    model = MoCoModel(1, small(8, 64), RandomViews(1), splits=4).train()
+    model = MoCoModel(1, small(8, 64), RandomViews(1), partial(SplitBatchNorm2d, splits=4))
+    model.train()
     x = torch.randint(0, 256, (32, 1, 28, 28), dtype=torch.uint8)
     torch.manual_seed(7)
     keys = model.key(x)
@@ -452,6 +454,32 @@ def test_simclr_trains_both_views_through_the_query_encoder_against_the_batch(im
     torch.testing.assert_close(pair[0], expected)
     summary = train(config, tmp_path / "run")
     assert summary["rows"][0]["model"].startswith("simclr-") and summary["steps"] == 1
+
+
+def test_norm_group_is_the_batchnorm_control_an_image_trains_by_its_own_statistics_alone(
+    image_root,
+):
+    """Under BatchNorm a training image's embedding depends on the rest of its batch (GCBS's
+    homogeneous batches change it); with `norm: group` (GroupNorm) it does not, and the rows name
+    the other model. Another norm is refused."""
+    embeddings = {}
+    for norm in ("batch", "group"):
+        config = load_config("simclr", "ci", {**TINY, "data_root": str(image_root), "norm": norm})
+        experiment = get("simclr")(config.options, seed=0, device="cpu")
+        experiment.load_data()
+        torch.manual_seed(0)
+        model = experiment.build_model().train()
+        views = experiment.gcbs_views[0]
+        alone = model.query(experiment.train[:8], views[:8])
+        beside = model.query(experiment.train[:16], views[:16])[:8]  # 8 other images beside
+        embeddings[norm] = (alone, beside, experiment.model_name)
+    alone, beside, name = embeddings["group"]
+    torch.testing.assert_close(alone, beside)
+    assert name.startswith("simclr-resnet-gn-") and not embeddings["batch"][2].count("-gn")
+    assert (embeddings["batch"][0] - embeddings["batch"][1]).abs().max() > 1e-3
+    bad = load_config("simclr", "ci", {**TINY, "data_root": str(image_root), "norm": "layer"})
+    with pytest.raises(ValueError, match="norm: batch or group, got 'layer'"):
+        get("simclr")(bad.options, seed=0, device="cpu").load_data()
 
 
 def test_mask_same_group_leaves_simclrs_same_class_views_out_and_moco_refuses_it(

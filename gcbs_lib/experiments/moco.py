@@ -140,33 +140,37 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
 
 
 class BasicBlock(nn.Module):
-    """ResNet's basic block: two 3×3 convolutions with split BatchNorm, and a shortcut."""
+    """ResNet's basic block: two 3×3 convolutions, each followed by `norm(channels)`, and a
+    shortcut."""
 
-    def __init__(self, cin: int, cout: int, splits: int):
+    def __init__(self, cin: int, cout: int, norm):
         super().__init__()
         stride = cout // cin  # 2 where the width doubles
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.norm1 = SplitBatchNorm2d(cout, splits)
+        self.norm1 = norm(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.norm2 = SplitBatchNorm2d(cout, splits)
+        self.norm2 = norm(cout)
         self.shortcut = nn.Identity()
         if cin != cout:
             shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False)
-            self.shortcut = nn.Sequential(shortcut, SplitBatchNorm2d(cout, splits))
+            self.shortcut = nn.Sequential(shortcut, norm(cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))) + self.shortcut(x))
 
 
-def small_resnet(channels: int, width: int, stages: int, blocks: int, splits: int = 1) -> nn.Module:
+def small_resnet(
+    channels: int, width: int, stages: int, blocks: int, norm=nn.BatchNorm2d
+) -> nn.Module:
     """A CIFAR-style ResNet (3×3 stem, no max-pool): `stages` stages of `blocks` basic blocks of
-    width width·2^s, stride 2 from the second on, global average pooling (ResNet-18: 4, 2, 64)."""
+    width width·2^s, stride 2 from the second on, global average pooling (ResNet-18: 4, 2, 64);
+    `norm(channels)` makes each normalisation layer."""
     widths = [width] + [width * 2**s for s in range(stages) for _ in range(blocks)]
     return nn.Sequential(
         nn.Conv2d(channels, width, 3, 1, 1, bias=False),
-        SplitBatchNorm2d(width, splits),
+        norm(width),
         nn.ReLU(),
-        *[BasicBlock(a, b, splits) for a, b in zip(widths, widths[1:])],
+        *[BasicBlock(a, b, norm) for a, b in zip(widths, widths[1:])],
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
     )
@@ -191,9 +195,9 @@ class Branch(nn.Module):
 class MoCoModel(nn.Module):
     """The query branch (trained), the key branch (a momentum copy, no gradients), the queue."""
 
-    def __init__(self, channels: int, o: "MoCo.Options", views: RandomViews, splits: int = 1):
+    def __init__(self, channels: int, o: "MoCo.Options", views: RandomViews, norm=nn.BatchNorm2d):
         super().__init__()
-        encoder = small_resnet(channels, o.width, o.stages, o.blocks, splits)
+        encoder = small_resnet(channels, o.width, o.stages, o.blocks, norm)
         self.query = Branch(views, encoder, o.width * 2 ** (o.stages - 1), o.dim)
         self.key = copy.deepcopy(self.query).requires_grad_(False)
         self.key.views, self.key.shuffle = views, True
@@ -238,20 +242,27 @@ class MoCo(Experiment):
         knn_temperature: float = 0.1
         eval_batch_size: int = 512
         bn_splits: int = 8  # BatchNorm groups of a batch: bn_splits / world size per rank
+        # batch: (split) BatchNorm; group: GroupNorm of 8 channels a group, an image normalised by
+        # its own statistics alone, whatever else its batch holds (the BatchNorm control)
+        norm: str = "batch"
 
     dev_metric = "knn_accuracy"
     from_scratch = True
     in_batch_negatives = False  # the queue's keys: earlier batches', their groups not kept
     data_name = property(lambda self: DATA_NAMES[self.options.data])
     family = "moco-v2"  # of the model name
-    model_name = property(
-        lambda self: "{1}-resnet-w{0.width}-{0.stages}x{0.blocks}".format(self.options, self.family)
-    )
+
+    @property
+    def model_name(self) -> str:
+        o = self.options
+        norm = "-gn" if o.norm == "group" else ""
+        return f"{self.family}-resnet{norm}-w{o.width}-{o.stages}x{o.blocks}"
 
     def load_data(self) -> TrainSet:
         o, root = self.options, data_root(self.options.data_root)
         require(0 <= o.momentum < 1, f"need momentum in [0, 1), got {o.momentum}")
         require(o.dev_size >= 0, f"need dev_size >= 0, got {o.dev_size}")
+        require(o.norm in ("batch", "group"), f"norm: batch or group, got {o.norm!r}")
         images, labels = load(o.data, "train", root)
         order = torch.randperm(len(labels), generator=generator(0, 0, "moco-dev-split"))
         dev, rest = order[: o.dev_size].sort().values, order[o.dev_size :].sort().values
@@ -276,8 +287,15 @@ class MoCo(Experiment):
             world == 1 or o.bn_splits >= 2 * world,
             f"on {world} ranks bn_splits must be at least {2 * world} (2 groups a rank)",
         )
-        self.model = MoCoModel(self.train.shape[1], o, self.views, o.bn_splits // world)
+        self.model = MoCoModel(self.train.shape[1], o, self.views, self.norm(o.bn_splits // world))
         return self.model
+
+    def norm(self, splits: int):
+        """The encoder's normalisation layer, `norm(channels)`: BatchNorm over `splits` groups of a
+        training batch, or GroupNorm (options.norm)."""
+        if self.options.norm == "group":
+            return lambda channels: nn.GroupNorm(max(1, channels // 8), channels)
+        return partial(SplitBatchNorm2d, splits=splits)
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.key]
@@ -342,7 +360,8 @@ class SimCLR(MoCo):
 
     def build_model(self) -> nn.Module:
         require(rank_and_world_size()[1] == 1, "simclr runs in one process (BatchNorm is per rank)")
-        return MoCoModel(self.train.shape[1], self.options, self.views)  # its loss needs no queue
+        # its loss needs no queue
+        return MoCoModel(self.train.shape[1], self.options, self.views, self.norm(1))
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.query]
