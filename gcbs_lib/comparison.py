@@ -14,17 +14,21 @@ from matplotlib.ticker import MaxNLocator
 from gcbs_lib import results
 from gcbs_lib.check import require
 from gcbs_lib.launcher import launch
-from gcbs_lib.rows import read_rows
+from gcbs_lib.rows import read_rows, record
 from gcbs_lib.train import Trainer, load_config, train
 
 
 def arm_configs(experiment, profile, arms, seeds, overrides=None) -> dict:
-    """`{(arm, seed): TrainConfig}`, seed-major: the profile, `overrides`, the arm, the seed."""
-    overrides = overrides or {}
+    """`{(arm, seed): TrainConfig}`, seed-major: the profile, `overrides`, the arm, the seed.
+    `arms`: samplers, or `{arm: settings}` for arms that differ in more than their sampler, e.g.
+    `{"random+mask": {"sampler": "random", "mask_same_group": True}}` (the rows' arm: the name)."""
+    named = arms if isinstance(arms, dict) else {arm: {"sampler": arm} for arm in arms}
     return {
-        (arm, seed): load_config(experiment, profile, {**overrides, "sampler": arm, "seed": seed})
+        (arm, seed): load_config(
+            experiment, profile, {**(overrides or {}), "arm": arm, **settings, "seed": seed}
+        )
         for seed in seeds
-        for arm in arms
+        for arm, settings in named.items()
     }
 
 
@@ -53,7 +57,8 @@ def run_arms(
     # run_arm's config, folder, start (seed-major: each seed's first run) and baseline, in order
     jobs = []
     for (arm, seed), config in arm_configs(experiment, profile, arms, seeds, overrides).items():
-        jobs.append((config, Path(folder) / f"{arm}-seed{seed}", arm == arms[0], seed == seeds[0]))
+        first = arm == list(arms)[0]
+        jobs.append((config, Path(folder) / f"{arm}-seed{seed}", first, seed == seeds[0]))
 
     if devices is None or len(devices) == 1:
         results = (run_arm(*job, nproc=nproc, backend=backend) for job in jobs)
@@ -72,7 +77,7 @@ def run_arm(config, output_dir, start=False, baseline=False, *, nproc=1, backend
     measured against) as `("start", seed)` and, if also `baseline` and the experiment has one, the
     trivial scorer's as `("baseline-<name>", seed)`. Returns the summaries and a line for each."""
     summaries, lines = {}, []
-    arm, seed = config.sampler, config.seed
+    arm, seed = config.arm or config.sampler, config.seed
 
     if start:
         trainer = Trainer(replace(config, sampler="random", arm="start"), output_dir)
@@ -160,6 +165,14 @@ def outputs_of(summaries: dict) -> list[dict]:
         for summary in summaries.values()
         for name, outputs in summary["outputs"].items()
     ]
+
+
+def record_runs(summaries: dict, notebook: str) -> list[dict]:
+    """Every run's result rows, recorded with their per-item test outputs as `notebook`'s (under
+    the runner; elsewhere nothing is written)."""
+    rows = rows_of(summaries)
+    record(rows, notebook, outputs_of(summaries))
+    return rows
 
 
 class MarkdownTable(str):

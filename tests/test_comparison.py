@@ -15,10 +15,12 @@ from gcbs_lib.comparison import (
     first_gap_no_larger,
     plot_comparison,
     plot_over_seeds,
+    record_runs,
     rows_of,
     run_arms,
 )
 from gcbs_lib.launcher import LaunchError
+from gcbs_lib.rows import RESULTS_DIR_VARIABLE, read_outputs, read_rows
 from gcbs_lib.train import load_checkpoint
 
 
@@ -54,7 +56,30 @@ SUMMARIES = {
 def test_arm_configs_are_seed_major_and_differ_only_in_sampler_and_seed():
     configs = arm_configs("codesearch", "ci", ["random", "gcbs"], [3, 4], {"lr": 0.5})
     assert list(configs) == [("random", 3), ("gcbs", 3), ("random", 4), ("gcbs", 4)]
-    assert all((c.sampler, c.seed, c.lr) == (arm, seed, 0.5) for (arm, seed), c in configs.items())
+    assert all(
+        (c.sampler, c.arm, c.seed, c.lr) == (arm, arm, seed, 0.5)
+        for (arm, seed), c in configs.items()
+    )
+
+
+def test_arms_that_differ_in_more_than_their_sampler_are_named_settings():
+    arms = {
+        "random": {"sampler": "random"},
+        "gcbs+mask": {"sampler": "gcbs", "mask_same_group": True},
+    }
+    configs = arm_configs("codesearch", "ci", arms, [3])
+    assert [(c.arm, c.sampler, c.mask_same_group) for c in configs.values()] == [
+        ("random", "random", False),
+        ("gcbs+mask", "gcbs", True),
+    ]
+
+
+def test_a_named_arm_trains_in_its_own_folder_and_names_its_rows(tmp_path, data_root):
+    arms = {"gcbs+shuffled": {"sampler": "gcbs", "batch_order": "shuffled"}}
+    runs = run_arms("codesearch", "ci", arms, [0], tmp_path, tiny(data_root))
+    assert list(runs) == [("start", 0), ("gcbs+shuffled", 0)]
+    assert {row["arm"] for row in runs["gcbs+shuffled", 0]["rows"]} == {"gcbs+shuffled"}
+    assert (tmp_path / "gcbs+shuffled-seed0" / "checkpoint.pt").exists()
 
 
 def tiny(data_root, **overrides):
@@ -152,6 +177,25 @@ def test_a_run_that_fails_on_its_ranks_raises_with_the_ranks_error(tmp_path, dat
 
 def test_rows_of_lists_every_runs_rows_run_after_run():
     assert rows_of(SUMMARIES) == [SUMMARIES[key]["rows"][0] for key in SUMMARIES]
+
+
+def test_record_runs_records_the_rows_and_outputs_under_the_runner_and_nothing_elsewhere(
+    tmp_path, monkeypatch
+):
+    with_outputs = {
+        key: {**run, "outputs": {"best": [[0.1, 0.2]]}} for key, run in SUMMARIES.items()
+    }
+    monkeypatch.delenv(RESULTS_DIR_VARIABLE, raising=False)
+    assert record_runs(with_outputs, "05_gcbs_simcse") == rows_of(SUMMARIES)
+    assert not any(tmp_path.iterdir())
+
+    monkeypatch.setenv(RESULTS_DIR_VARIABLE, str(tmp_path))
+    rows = record_runs(with_outputs, "05_gcbs_simcse")
+    assert read_rows(tmp_path / "05_gcbs_simcse.json") == rows == rows_of(SUMMARIES)
+    recorded = read_outputs(tmp_path / "05_gcbs_simcse.json")
+    assert [(r["arm"], r["seed"], r["checkpoint"]) for r in recorded] == [
+        (arm, seed, "best") for arm, seed in SUMMARIES
+    ]
 
 
 def test_arms_table_pairs_each_arm_with_random_by_seed_and_names_the_stand_in(capsys):
