@@ -46,17 +46,19 @@ def drawn_items(members: np.ndarray, generator) -> np.ndarray:
 
 def bootstrap(experiment: str, runs: dict, pairs: list[tuple[str, str]], draws=DRAWS) -> dict:
     """Δ = mean over seeds of (a − b) and its 95 % interval, for each (a, b) of `pairs` and every
-    metric: {(a, b): {metric: (Δ, low, high)}}. `runs`: {name: {seed: Outputs}}, every name on the
-    same seeds but a baseline's one run, which stands for every seed. Each draw resamples the seeds
-    (paired) and, within each task, the clusters of test items (the same for every run). The
-    interval is the wider of the draws' percentile interval and `welch_t`'s, whose seed part has
+    metric: {(a, b): {metric: (Δ, low, high)}}; a side may be a tuple of names, their scores summed,
+    for a contrast such as the interaction (g+m − r+m) − (g − r) = ((g+m, r), (r+m, g)).
+    `runs`: {name: {seed: Outputs}}, every name on the same seeds but a baseline's one run, which
+    stands for every seed. Each draw resamples the seeds (paired) and, within each task, the
+    clusters of test items (the same for every run). The interval is the wider of the draws' percentile interval and `welch_t`'s, whose seed part has
     n − 1 degrees of freedom (a percentile bootstrap over 4–6 seeds is too narrow)."""
     scores = experiments.get(experiment).scores
-    first = runs[pairs[0][0]]
+    sides = {side: side if isinstance(side, tuple) else (side,) for pair in pairs for side in pair}
+    first = runs[sides[pairs[0][0]][0]]
     members = {task: cluster_members(arrays) for task, arrays in first[min(first)].items()}
     every = {task: np.arange(len(m)) for task, m in members.items()}
     runs = {name: [resampled(o, every) for _, o in sorted(r.items())] for name, r in runs.items()}
-    metrics = list(scores(runs[pairs[0][0]][0]))
+    metrics = list(scores(runs[sides[pairs[0][0]][0]][0]))
 
     def scored(picks: dict) -> dict:
         """{name: [seeds, metrics]} on the items `picks`."""
@@ -72,16 +74,23 @@ def bootstrap(experiment: str, runs: dict, pairs: list[tuple[str, str]], draws=D
         drawn = generator.choice(len(first), len(first))
         values = scored({task: drawn_items(m, generator) for task, m in members.items()})
         for a, b in pairs:
-            spread[a, b].append((values[a] - values[b])[drawn].mean(axis=0))
-            items[a, b].append((values[a] - values[b]).mean(axis=0))
+            difference = contrast(values, sides[a], sides[b])
+            spread[a, b].append(difference[drawn].mean(axis=0))
+            items[a, b].append(difference.mean(axis=0))
     intervals = {}
     for a, b in pairs:
         boot = np.percentile(spread[a, b], [2.5, 97.5], axis=0).T
-        t = [welch_t(d, v) for d, v in zip((full[a] - full[b]).T, np.var(items[a, b], axis=0))]
+        difference = contrast(full, sides[a], sides[b])
+        t = [welch_t(d, v) for d, v in zip(difference.T, np.var(items[a, b], axis=0))]
         wider = [max(p, q or p, key=lambda bounds: bounds[1] - bounds[0]) for p, q in zip(boot, t)]
-        deltas = (full[a] - full[b]).mean(axis=0)
+        deltas = difference.mean(axis=0)
         intervals[a, b] = {m: (d, *map(float, w)) for m, d, w in zip(metrics, deltas, wider)}
     return intervals
+
+
+def contrast(values: dict, plus: tuple, minus: tuple) -> np.ndarray:
+    """[seeds, metrics]: the scores of the names `plus` summed, less those of `minus`."""
+    return sum(values[name] for name in plus) - sum(values[name] for name in minus)
 
 
 def welch_t(per_seed: np.ndarray, item_variance: float) -> tuple[float, float] | None:

@@ -89,6 +89,34 @@ def test_the_bootstrap_pairs_the_items_so_a_shared_hard_item_cancels():
     assert line.verdict.startswith("GCBS better")
 
 
+def outputs_of_arms(arms: dict) -> dict:
+    """{arm: {seed: ranked outputs}} of {arm: {seed: ranks}}."""
+    return {a: {s: ranked(ranks) for s, ranks in arm.items()} for a, arm in arms.items()}
+
+
+def test_a_contrast_of_four_arms_gets_its_interval_from_the_same_paired_draws():
+    """The interaction I = (g+m − r+m) − (g − r): where the mask removes all of GCBS's harm (g+m
+    ranks as r+m, g one place worse than r on every query), I equals the harm, one-signed;
+    where the mask changes nothing, I is 0 with an interval about it."""
+    seeds = range(4)
+    random = {s: planted(s, 3) for s in seeds}
+    worse = {s: [r + 1 for r in ranks] for s, ranks in random.items()}
+    interaction = (("gcbs+mask", "random"), ("random+mask", "gcbs"))
+    masked = outputs_of_arms(
+        {"random": random, "gcbs": worse, "random+mask": random, "gcbs+mask": random}
+    )
+    harm = verdict.bootstrap("codesearch", masked, [("gcbs", "random"), interaction], draws=200)
+    delta, low, high = harm[interaction]["mrr"]
+    assert delta == pytest.approx(-harm["gcbs", "random"]["mrr"][0]) and 0 < low <= delta <= high
+    same = outputs_of_arms(
+        {"random": random, "gcbs": worse, "random+mask": random, "gcbs+mask": worse}
+    )
+    delta, low, high = verdict.bootstrap("codesearch", same, [interaction], draws=200)[interaction][
+        "mrr"
+    ]
+    assert delta == pytest.approx(0.0, abs=1e-12) and low <= 0 <= high
+
+
 def test_gcbs_better_worse_and_not_resolved_come_from_the_interval():
     random = {s: planted(s, 3) for s in range(4)}
     start = {s: planted(9, 40) for s in range(4)}
