@@ -71,16 +71,14 @@ from gcbs_lib.comparison import (
     arm_configs,
     arms_table,
     committed_plan,
-    outputs_of,
     plot_comparison,
-    rows_of,
+    record_runs,
     run_arms,
 )
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import consecutive_batches, published_permutation, same_group_pairs
 from gcbs_lib.mining import mine_hard_negatives
 from gcbs_lib.results import deltas_text
-from gcbs_lib.rows import record
 from gcbs_lib.seeding import fixed_subset, generator
 from gcbs_lib.train import Trainer
 
@@ -342,8 +340,7 @@ plot_comparison(summaries, arms, "mrr", lines, f"code search dev MRR ({profile} 
 # ```
 
 # %%
-rows = rows_of(summaries)
-record(rows, "04_gcbs_codesearch", outputs_of(summaries))
+rows = record_runs(summaries, "04_gcbs_codesearch")
 for arm in [a for a in arms if a != "random"]:
     line = delta[f"{arm}/test_mrr"]  # Δ paired by seed; its 95 % interval over seeds × modules
     interval = "—" if line.best is None else f"[{line.best[0]:+.4f}, {line.best[1]:+.4f}]"

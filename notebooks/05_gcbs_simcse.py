@@ -74,15 +74,14 @@ from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
     first_gap_no_larger,
-    outputs_of,
     plot_comparison,
-    rows_of,
+    record_runs,
     run_arms,
 )
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.experiments.simcse import SimCSE
 from gcbs_lib.results import COMMITTED, paper_delta
-from gcbs_lib.rows import read_rows, record
+from gcbs_lib.rows import read_rows
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("simcse", "gcbs", "test_spearman")  # +1.03 STS points
@@ -200,8 +199,7 @@ summaries = run_arms(
 
 # %%
 deltas = arms_table(summaries, stand_in="NOT STS")
-rows = rows_of(summaries)
-record(rows, "05_gcbs_simcse", outputs_of(summaries))
+rows = record_runs(summaries, "05_gcbs_simcse")
 line = deltas["gcbs/test_spearman"]
 print(f"verdict on test Spearman: {line.verdict}")
 

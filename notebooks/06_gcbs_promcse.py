@@ -58,16 +58,14 @@ from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
     first_gap_no_larger,
-    outputs_of,
     plot_comparison,
-    rows_of,
+    record_runs,
     run_arms,
 )
 from gcbs_lib.experiments import get, to_device
 from gcbs_lib.gradcache import cached_loss, encode_in_chunks
 from gcbs_lib.prefix import PrefixPromptedEncoder
 from gcbs_lib.results import paper_delta
-from gcbs_lib.rows import record
 from gcbs_lib.train import load_config
 
 PAPER = paper_delta("promcse", "gcbs", "test_spearman")  # +0.27 STS points
@@ -186,8 +184,7 @@ summaries = run_arms(
 
 # %%
 deltas = arms_table(summaries, stand_in="NOT STS")
-rows = rows_of(summaries)
-record(rows, "06_gcbs_promcse", outputs_of(summaries))
+rows = record_runs(summaries, "06_gcbs_promcse")
 line = deltas["gcbs/test_spearman"]
 print(f"verdict on test Spearman: {line.verdict}")
 

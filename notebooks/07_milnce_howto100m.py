@@ -53,13 +53,11 @@ from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
     first_gap_no_larger,
-    outputs_of,
     plot_comparison,
-    rows_of,
+    record_runs,
     run_arms,
 )
 from gcbs_lib.experiments.milnce import MilNce
-from gcbs_lib.rows import record
 from gcbs_lib.train import load_config
 
 torch.manual_seed(seed)
@@ -162,8 +160,7 @@ plot_comparison(summaries, arms, "r10", [line], f"MIL-NCE dev R@10 ({profile} pr
 # ## Result rows
 
 # %%
-result_rows = rows_of(summaries)
-record(result_rows, "07_milnce_howto100m", outputs_of(summaries))
+result_rows = record_runs(summaries, "07_milnce_howto100m")
 print(len(result_rows), "result rows")
 
 # %% [markdown]

@@ -59,14 +59,12 @@ from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
-    outputs_of,
     plot_comparison,
-    rows_of,
+    record_runs,
     run_arms,
 )
 from gcbs_lib.experiments import get
 from gcbs_lib.experiments.moco import MoCo, MoCoModel, SimCLR
-from gcbs_lib.rows import record
 from gcbs_lib.seeding import stream_seed
 from gcbs_lib.train import load_config
 
@@ -245,8 +243,7 @@ summaries = run_arms(
     "moco", profile, arms, seeds, Path(output_dir) / profile / data, settings, devices=devices
 )
 lines = arms_table(summaries, stand_in="NOT CIFAR-10")  # the GCBS paper gives no MoCo number
-rows = rows_of(summaries)
-record(rows, "08_gcbs_moco", outputs_of(summaries))
+rows = record_runs(summaries, "08_gcbs_moco")
 line = lines["gcbs/test_knn_accuracy"]
 print(f"verdict: {line.verdict}")
 
@@ -286,8 +283,7 @@ print(inspect.getsource(SimCLR))
 batch_folder = Path(output_dir) / profile / data / "simclr"
 batch_summaries = run_arms("simclr", profile, arms, seeds, batch_folder, settings, devices=devices)
 batch_lines = arms_table(batch_summaries, stand_in="NOT CIFAR-10")
-batch_rows = rows_of(batch_summaries)
-record(batch_rows, "08_gcbs_moco", outputs_of(batch_summaries))
+batch_rows = record_runs(batch_summaries, "08_gcbs_moco")
 batch_line = batch_lines["gcbs/test_knn_accuracy"]
 print(f"in-batch negatives, verdict: {batch_line.verdict}")
 
