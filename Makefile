@@ -74,6 +74,7 @@ bench: $(STAMP)  ## run the bench/ scripts (about an hour on 2 cores; installs b
 	$(BIN)/python bench/bench_gradcache.py $(BENCH_STEP_ARGS)
 	$(BIN)/python bench/bench_milnce.py $(BENCH_STEP_ARGS)
 	$(BIN)/python bench/bench_milnce_scale.py
+	$(BIN)/python bench/bench_shared_planning.py
 	$(BIN)/python bench/report.py
 
 gpu-check: $(STAMP)  ## on a lent GPU: dropout and bf16 replay, GCBS on CUDA vs CPU, bf16/fp16 steps, fp16 gradients, resume, nccl, DDP (≤ 10 min); ARGS="--device cpu --quick"

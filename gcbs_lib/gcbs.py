@@ -22,10 +22,12 @@ from typing import Hashable, Sequence
 import numpy as np
 import scipy.sparse as sp
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from gcbs_lib.check import require
+from gcbs_lib.distributed import rank_and_world_size
 
 BLOCK_ELEMENTS = 2**22  # similarities per block on the CPU: 16 MiB of float32
 DEVICE_BLOCK_ELEMENTS = 2**27  # on a GPU: 512 MiB of float32
@@ -65,14 +67,14 @@ def _block_elements(device: torch.device) -> int:
 
 
 def _blocks(u1: torch.Tensor, u2: torch.Tensor, keep_diagonal: bool = False, multiple: int = 1):
-    """(first row, S[rows]) for consecutive blocks of S of a `multiple` of rows (bar the last),
-    float32 on the embeddings' device, the diagonal −inf unless kept; each block is overwritten by
-    the next (copy what outlives it)."""
+    """(first row, S[rows]) for consecutive blocks of S = u1 u2ᵀ of a `multiple` of rows (bar the
+    last), float32 on the embeddings' device, the diagonal −inf unless kept; each block is
+    overwritten by the next (copy what outlives it)."""
     n = len(u1)
-    rows = max(multiple, _block_elements(u1.device) // n // multiple * multiple)
+    rows = max(multiple, _block_elements(u1.device) // len(u2) // multiple * multiple)
     # one buffer for every block: blocks freed one by one would stay pinned in the C heap by the
     # small arrays a pass keeps after each of them (5 GB at N = 40k instead of 0.5)
-    buffer = u1.new_empty(min(rows, n), n)
+    buffer = u1.new_empty(min(rows, n), len(u2))
     for start in range(0, n, rows):
         block = torch.matmul(u1[start : start + rows], u2.T, out=buffer[: min(rows, n - start)])
         if not keep_diagonal:
@@ -188,20 +190,27 @@ def _full_float32():
 
 
 @_full_float32()
-def published_graph(z1, z2, quantile: float = 0.999) -> sp.csr_matrix:
+def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp.csr_matrix | None:
     """The graph of the published order: the boolean csr matrix [N, N] of the S_ij, diagonal
     included, above `statistics.median([torch.quantile(S[i : i + 10], quantile) for i in
     range(0, N, 10)])`. The chunk quantiles are 0-d float32 tensors, so their median is the middle
     one, or for an even count (a+b)/2 of the two middle ones in float32 (not the lower one, which
     `Tensor.median` gives). One pass over S: each block keeps its S_ij at or above its lowest chunk
-    quantile, or is computed again should that bound exceed the threshold (or keep too many)."""
+    quantile, or is computed again should that bound exceed the threshold (or keep too many).
+    `shared`: called by every rank of the process group, each holding all of z1 and z2; each rank
+    scans its share of the 10-row chunks, all take the median of every rank's chunk quantiles,
+    and rank 0 alone receives the edges and returns the graph (the others None)."""
     require(0 <= quantile <= 1, f"quantile must lie in [0, 1], got {quantile}")
     u1, u2 = unit_rows(z1, z2)
     n = len(u1)
-    quantiles = []
+    rank, world_size = rank_and_world_size() if shared else (0, 1)
+    chunks = torch.arange(0, n, 10).tensor_split(world_size)[rank]
+    first = int(chunks[0]) if len(chunks) else n
+    quantiles = [torch.empty(0)]
     kept = []
-    edges = []
-    for start, block in _blocks(u1, u2, keep_diagonal=True, multiple=10):
+    edges = [np.empty(0, np.int64)]
+    for start, block in _blocks(u1[first : first + 10 * len(chunks)], u2, True, 10):
+        start += first
         whole = len(block) // 10 * 10
         parts = [block[:whole].reshape(-1, 10 * n), block[whole:].reshape(1, -1)]
         quantiles.append(torch.cat([_chunk_quantiles(p, quantile) for p in parts if p.numel()]))
@@ -213,14 +222,26 @@ def published_graph(z1, z2, quantile: float = 0.999) -> sp.csr_matrix:
             values = None
             bound = math.inf
         kept.append((start, len(block), bound, flat, values))
+    quantiles = torch.cat([q.cpu() for q in quantiles])
+    if world_size > 1:
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, quantiles)
+        quantiles = torch.cat(everyone)
     # the README's own median of 0-d float32 tensors (sorted first: the sort then scans them once)
-    median = statistics.median(torch.cat(quantiles).sort().values.cpu().unbind())
+    median = statistics.median(quantiles.sort().values.unbind())
     threshold = np.float32(median.item())
     for start, length, bound, flat, values in kept:
         if bound > threshold:
             flat, values = _at_least(u1[start : start + length] @ u2.T, threshold)
         edges.append(flat[values > threshold] + start * n)
-    rows, cols = np.divmod(np.concatenate(edges), n)
+    edges = np.concatenate(edges)
+    if world_size > 1:
+        received = [None] * world_size if rank == 0 else None
+        dist.gather_object(edges, received, dst=0)
+        if rank != 0:
+            return None
+        edges = np.concatenate(received)
+    rows, cols = np.divmod(edges, n)
     return sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
 
 

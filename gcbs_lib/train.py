@@ -394,15 +394,21 @@ class Trainer:
         start = time.perf_counter()
         items = self._items(self.epoch)
         z1 = z2 = None
+        # GCBS on several ranks: each scans its rows of S for the graph, rank 0 orders it
+        shared = config.sampler == "gcbs" and self.world_size > 1
         if config.sampler != "random" or config.log_loss_gap:  # one embedding serves both
             share = items.tensor_split(self.world_size)[self.rank]
             embed = partial(self._in_eval_mode, self.experiment.pair_embeddings)
             pairs = [embed(part) for part in share.split(config.embed_batch_size)]
-            z1, z2 = (distributed.gather_ragged(torch.cat(z).float(), True) for z in zip(*pairs))
+            to_main = not shared
+            z1, z2 = (distributed.gather_ragged(torch.cat(z).float(), to_main) for z in zip(*pairs))
         embedded = time.perf_counter()
+        graph = None
+        if shared:
+            graph = gcbs.published_graph(z1, z2, self._quantile(len(items)), shared=True)
         plan = [None]
         if self.main:
-            positions, diagnostics = self._sample(z1, z2, items)  # rows of z1, z2
+            positions, diagnostics = self._sample(z1, z2, items, graph)  # rows of z1, z2
             plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
@@ -437,20 +443,25 @@ class Trainer:
         """The group code of each of `items` (`group_codes`), or None."""
         return None if self.group_codes is None else self.group_codes[items].tolist()
 
-    def _sample(self, z1, z2, items: torch.Tensor) -> tuple[dict, dict]:
+    def _quantile(self, n: int) -> float:
+        """GCBS's quantile q for an epoch of n items: gcbs_quantile, or 1 − k / n for k given."""
+        k = self.config.gcbs_neighbours
+        return self.config.gcbs_quantile if k is None else 1 - k / n
+
+    def _sample(self, z1, z2, items: torch.Tensor, graph=None) -> tuple[dict, dict]:
         """Batches of `items` (z1, z2: theirs, or None) and any mined negatives, as positions in
-        `items`: the published GCBS order (with its controls) or a seeded random one, read into
-        batches alike, their order shuffled with `batch_order`; and the GCBS graph's diagnostics."""
+        `items`: the published GCBS order (with its controls; of `graph` where the ranks built it)
+        or a seeded random one, read into batches alike, their order shuffled with `batch_order`;
+        and the GCBS graph's diagnostics."""
         config = self.config
         keys = self.train_set.duplicate_keys
         if keys is not None and len(items) < self.train_set.size:  # a sampled epoch
             keys = [keys[i] for i in items.tolist()]
         diagnostics = {}
         if config.sampler == "gcbs":
-            quantile = config.gcbs_quantile
-            if config.gcbs_neighbours is not None:
-                quantile = 1 - config.gcbs_neighbours / len(items)
-            graph = gcbs.published_graph(z1, z2, quantile)
+            quantile = self._quantile(len(items))
+            if graph is None:
+                graph = gcbs.published_graph(z1, z2, quantile)
             diagnostics = {"neighbours": (1 - quantile) * len(items)}
             diagnostics.update(gcbs.graph_diagnostics(graph))
             relabel = None

@@ -18,6 +18,7 @@ from gcbs_lib.gcbs import (
     published_permutation,
     same_group_pairs,
 )
+from gcbs_lib.launcher import launch
 
 BATCH, TAU = 32, 0.05
 
@@ -153,6 +154,27 @@ def test_the_threshold_is_statistics_median_of_the_chunk_quantiles_at_even_and_o
     even = len(quantiles) % 2 == 0
     assert np.array_equal(graph, (similarity > lower).numpy()) != even
     assert torch.equal(published_permutation(z1, z2, 0.999), literal_published(z1, z2, 0.999))
+
+
+def graph_on_a_rank(n: int, quantile: float, block_elements: int) -> list | None:
+    """Rank 0's shared published graph of `pairs(n, 16, clusters)` as (rows, cols) lists, each rank
+    scanning its chunks in blocks of `block_elements` similarities; None on the other ranks."""
+    gcbs.BLOCK_ELEMENTS = block_elements  # in this launched process only
+    z1, z2 = pairs(n, 16, clusters=n // 50, seed=1)
+    graph = gcbs.published_graph(z1, z2, quantile, shared=True)
+    return None if graph is None else [a.tolist() for a in graph.nonzero()]
+
+
+@pytest.mark.parametrize("nproc, n", [(2, 1010), (3, 997)])
+def test_ranks_that_share_the_scan_of_s_give_rank_0_the_one_process_graph(nproc, n):
+    """Each rank scans its share of the 10-row chunks (here in blocks of 40 rows); the ranks agree
+    on the median of every chunk's quantile; rank 0 receives every edge: the same graph, edge for
+    edge, as one process (N not a multiple of 10 included)."""
+    z1, z2 = pairs(n, 16, clusters=n // 50, seed=1)
+    one = gcbs.published_graph(z1, z2, 0.99)
+    args = {"n": n, "quantile": 0.99, "block_elements": 40 * n}
+    shared = launch(f"{__name__}:graph_on_a_rank", nproc=nproc, echo=False, args=args)
+    assert shared == [a.tolist() for a in one.nonzero()] and one.nnz > n
 
 
 @pytest.mark.parametrize(

@@ -564,8 +564,11 @@ def plan_on_a_rank(config: dict, output_dir: str) -> dict:
     return {"held": everyone, "batches": plan["batches"].tolist()}
 
 
-def test_rank_0_alone_gathers_a_sampled_epoch_and_plans_what_one_process_plans(tmp_path, data_root):
-    overrides = dict(sampler="gcbs", one_per_group=True, dropout=0.0, dtype="float64")
+@pytest.mark.parametrize("sampler", ["gcbs", "random"])
+def test_two_ranks_plan_a_sampled_epoch_as_one_process_does(tmp_path, data_root, sampler):
+    """Under GCBS every rank holds the epoch's embeddings and scans its rows of S for the graph,
+    which rank 0 orders; otherwise rank 0 alone gathers them (for the loss gap)."""
+    overrides = dict(sampler=sampler, one_per_group=True, dropout=0.0, dtype="float64")
     config = load_config("codesearch", "ci", settings(data_root, **overrides))
     one = Trainer(config, tmp_path)._plan_epoch()
     (tmp_path / "two").mkdir()
@@ -578,7 +581,8 @@ def test_rank_0_alone_gathers_a_sampled_epoch_and_plans_what_one_process_plans(t
         args={"config": asdict(config), "output_dir": str(tmp_path / "two")},
     )
     width = config.options.tiny_dim
-    assert two["held"] == [[(48, width)] * 2, [None, None]]
+    on_rank_1 = [(48, width)] * 2 if sampler == "gcbs" else [None, None]
+    assert two["held"] == [[(48, width)] * 2, on_rank_1]
     assert two["batches"] == one["batches"].tolist()
 
 
