@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -117,10 +116,9 @@ def ddp_steps(runs: list[tuple[str, ScalingSetup]]) -> list[dict]:
         loss = cached_loss(loss_fn, ddp, shards, setup.chunk_size)
         loss.backward()
         all_reduce_gradients(scale.parameters())
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
+        mean_loss = gather_with_grad(loss.detach()[None]).mean().item()
         grads = [p.grad for p in (*encoder.parameters(), *scale.parameters())]
-        result = {"loss": mean_loss.item() / world_size, "grads": flat_gradients(encoder, scale)}
+        result = {"loss": mean_loss, "grads": flat_gradients(encoder, scale)}
         result |= {"allreduces": allreduces, "rank_difference": rank_difference(grads)}
         results.append(result)
     return results

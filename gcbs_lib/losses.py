@@ -157,13 +157,12 @@ def mil_nce(
         same_rows, same_cols = _same_group_captions(groups, bag_idx, len(text))
         rows, cols = torch.cat([rows, same_rows]), torch.cat([cols, same_cols])
     positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf)
-    positive = positive.logsumexp(dim=1)
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
     if direction == "both":  # every clip against caption j (column sums), then over clip i's bag
         columns = _masked_logsumexp(text, scaled, cols, rows, chunk_size)[bags]
         columns = columns.masked_fill(padding, -math.inf)
         denominator = torch.logaddexp(denominator, columns.logsumexp(dim=1))
-    loss = denominator - positive
+    loss = denominator - positive.logsumexp(dim=1)
     return loss.mean() if reduction == "mean" else loss
 
 

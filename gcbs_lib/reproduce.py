@@ -173,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     # notebooks `record` their rows there
-    environment = {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}
-    with mock.patch.dict(os.environ, environment):
+    with mock.patch.dict(os.environ, {RESULTS_DIR_VARIABLE: str((out / "results").resolve())}):
         for notebook, parameters in plans.items():
             done = execute(notebook, parameters, out, args.prepare_only)
             before = kept.get(notebook.stem, {}).get("seconds", 0)

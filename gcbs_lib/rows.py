@@ -71,13 +71,10 @@ def merged(old: list[dict], new: list[dict], key: str) -> list[dict]:
 
 def read_outputs(rows_path: str | Path) -> list[dict]:
     """The per-item test output records beside the rows file `rows_path`, in JSON Lines
-    `<stem>.outputs.jsonl` ([] where none)."""
+    `<stem>.outputs.jsonl` ([] where none); a corrupt line is named ("file:line")."""
     path = Path(rows_path).with_suffix(".outputs.jsonl")
     lines = path.read_text().splitlines() if path.exists() else []
-    try:
-        return [json.loads(line) for line in lines]
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON Lines: {error}") from None
+    return [read_json(f"{path}:{n}", line) for n, line in enumerate(lines, 1)]
 
 
 def write_outputs(rows_path: str | Path, records: list[dict]) -> Path | None:

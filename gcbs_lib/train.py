@@ -35,8 +35,7 @@ from gcbs_lib.rows import DIAGNOSTICS, current_commit, result_row, write_rows
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 STATE = ("step", "epoch", "position", "plan", "best")  # where a run is, beside its tensors
 RESUMABLE = set(
-    "checkpoint_every eval_every progress device sync_check_every sync_tolerance "
-    "collective_timeout".split()
+    "checkpoint_every eval_every progress device sync_check_every collective_timeout".split()
 )
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,8 +80,8 @@ class TrainConfig:
     mask_same_group: bool = False
     eval_every: int = 0  # dev evaluation every N steps (0: at each epoch end only)
     checkpoint_every: int = 100
-    sync_check_every: int = 0  # DDP: compare parameters and gradients across ranks every N steps
-    sync_tolerance: float = 0.0  # the largest difference between ranks the sync check accepts
+    # DDP: compare parameters and gradients across ranks every N steps (they must agree bitwise)
+    sync_check_every: int = 0
     # DDP: seconds a rank waits for the others before the job fails (None: launcher's
     # collective_timeout, $GCBS_COLLECTIVE_TIMEOUT or 1800)
     collective_timeout: float | None = None
@@ -117,8 +116,7 @@ def load_config(
     `configs/<experiment>.yaml` (or its class's `config`), then `overrides` (typed values or
     `--set` strings), as `TrainConfig` fields and the experiment's `Options` fields."""
     kind = experiments.get(experiment)
-    path = CONFIG_DIR / f"{kind.config or experiment}.yaml"
-    sections = yaml.safe_load(path.read_text())
+    sections = yaml.safe_load((CONFIG_DIR / f"{kind.config or experiment}.yaml").read_text())
     known = sorted(set(sections) - {"common"})
     require(profile in known, f"unknown profile {profile!r} for {experiment}; known: {known}")
     train_types = get_type_hints(TrainConfig)
@@ -140,9 +138,8 @@ def load_config(
 def code_fingerprint() -> dict:
     """The sha256 of the package's code and profiles (sorted by path), its git commit, and now."""
     files = sorted([*CONFIG_DIR.parent.rglob("*.py"), *CONFIG_DIR.glob("*.yaml")])
-    code = b"".join(p.read_bytes() for p in files)
     return {
-        "sha256": hashlib.sha256(code).hexdigest(),
+        "sha256": hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest(),
         "commit": current_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
@@ -217,11 +214,10 @@ class RunFolder:
             if self.main:
                 log.write_text("")
             return {}
-        finished = state["step"] == total_steps
         say(
             f"reusing {self.dir}: finished at step {state['step']}, made {made['date']}, commit "
             f"{made['commit']}"
-            if finished
+            if state["step"] == total_steps
             else f"resuming {path} at step {state['step']} of {total_steps}"
         )
         for key, part in stateful.items():
@@ -323,9 +319,8 @@ class Trainer:
         inside = {id(p) for module in modules for p in module.parameters()}
         # their gradients: all_reduce_gradients
         self.outside_ddp = [p for p in self.parameters if id(p) not in inside]
-        ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = {
-            id(m): DistributedDataParallel(m, device_ids=ids)
+            id(m): DistributedDataParallel(m)  # on the module's device
             for m in {id(m): m for m in modules}.values()
             if self.world_size > 1 and any(p.requires_grad for p in m.parameters())
         }
@@ -369,9 +364,8 @@ class Trainer:
             self.step, self.position = self.step + 1, self.position + 1
             self.run.log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
             done = self.step == self.total_steps
-            epoch_end = self.position == self.steps_per_epoch
             due = config.eval_every and self.step % config.eval_every == 0
-            if self.main and (due or done or epoch_end):
+            if self.main and (due or done or self.position == self.steps_per_epoch):  # epoch end
                 self._evaluate_dev()
             if self.step % config.checkpoint_every == 0 or done:
                 self.run.save(self.stateful, {key: getattr(self, key) for key in STATE})
@@ -557,7 +551,7 @@ class Trainer:
             return {}
         grads = [p.grad for p in self.parameters if p.grad is not None]
         difference = distributed.rank_difference([*self.parameters, *grads])
-        if not difference <= config.sync_tolerance:
+        if difference != 0:  # NaN included
             raise RanksOutOfSync(
                 f"ranks out of sync at step {self.step + 1}: parameters or gradients differ "
                 f"between the {self.world_size} ranks by up to {difference:.3g}"

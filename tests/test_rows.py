@@ -50,7 +50,7 @@ def test_outputs_are_written_a_record_a_line_and_a_corrupt_file_is_named(tmp_pat
     assert read_outputs(tmp_path / "r.json") == OUTPUTS
     assert read_outputs(tmp_path / "none.json") == []
     path.write_text('{"experiment": \n')
-    with pytest.raises(ValueError, match="r.outputs.jsonl is not valid JSON Lines"):
+    with pytest.raises(ValueError, match=r"r.outputs.jsonl:1 is not valid JSON"):
         read_outputs(tmp_path / "r.json")
 
 

@@ -91,9 +91,11 @@ class Experiment(ABC):
         groups = (getattr(batch, "extra", None) or {}).get("groups")
         return None if groups is None else gather_with_grad(groups)
 
-    @abstractmethod
     def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
-        """Two embeddings `(z1, z2)` of each item: what GCBS and mining compare."""
+        """Two embeddings `(z1, z2)` of each item: what GCBS and mining compare; by default,
+        `model` of each branch's inputs of the items' `collate` (one encoder for both branches)."""
+        inputs = self.collate(indices.tolist()).inputs
+        return tuple(model(to_device(x, self.device)) for x in inputs)
 
     @abstractmethod
     def evaluate(self, model: nn.Module, split: str) -> Outputs:

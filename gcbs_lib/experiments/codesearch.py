@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
-import torch
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 from torch import nn
@@ -17,7 +16,7 @@ from torch import nn
 from gcbs_lib.check import require
 from gcbs_lib.data import data_root, run_data_script
 from gcbs_lib.data.codesearch import load, retrieval_task
-from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, to_device
+from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet
 from gcbs_lib.metrics import mrr, recall_at, retrieval_ranks
 from gcbs_lib.models import MODEL_NAMES, text_encoder
 from gcbs_lib.seeding import fixed_subset
@@ -85,9 +84,8 @@ class CodeSearch(Experiment):
                     f"{task.repeated} repeated keys (first kept)"
                 )
             keep = fixed_subset(len(task.queries), o.eval_limit, f"{split}-subset")
-            queries, sources = (
-                [values[i] for i in keep] for values in (task.queries, task.sources)
-            )
+            queries = [task.queries[i] for i in keep]
+            sources = [task.sources[i] for i in keep]
             self.tasks[split] = task._replace(
                 queries=queries, positive=task.positive[keep], sources=sources
             )
@@ -104,8 +102,7 @@ class CodeSearch(Experiment):
 
     def tokens(self, texts: Sequence[str], side: str) -> dict:
         """Encoder inputs of `side` "query" or "code" texts, each cut to its side's length."""
-        length = self.options.query_length if side == "query" else self.options.code_length
-        return self.encoder.tokenize(texts, length)
+        return self.encoder.tokenize(texts, getattr(self.options, f"{side}_length"))
 
     def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
         """Queries of `indices` and their code, each followed by its mined negative's if given."""
@@ -115,10 +112,6 @@ class CodeSearch(Experiment):
         queries = self.tokens([self.train[i]["query"] for i in indices], "query")
         code = self.tokens([self.train[k]["code"] for k in codes], "code")
         return Batch([queries, code])
-
-    def pair_embeddings(self, model: nn.Module, indices: torch.Tensor) -> tuple:
-        batch = self.collate(indices.tolist())
-        return tuple(model(to_device(inputs, self.device)) for inputs in batch.inputs)
 
     def evaluate(self, model: nn.Module, split: str) -> Outputs:
         """The rank of each of the split's queries' code in its whole pool; its cluster, the

@@ -44,8 +44,7 @@ class SentenceHead(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = F.relu(self.fc1(self.words(batch["input_ids"])))
         padding = ~batch["attention_mask"].bool()[..., None]
-        hidden = hidden.masked_fill(padding, float("-inf")).amax(dim=1)
-        return F.normalize(self.fc2(hidden), dim=-1)
+        return F.normalize(self.fc2(hidden.masked_fill(padding, float("-inf")).amax(dim=1)), dim=-1)
 
 
 class VideoHead(nn.Linear):
@@ -138,8 +137,6 @@ class MilNce(Experiment):
 
     def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
         (video, text), ids = embeddings, batch.extra["caption_ids"]
-        all_video = gather_with_grad(video)
-        all_text = gather_ragged(text)
         all_ids = gather_ragged(ids)
         # a caption on several ranks: keep one copy
         captions, inverse = torch.unique(all_ids, return_inverse=True)
@@ -151,8 +148,8 @@ class MilNce(Experiment):
             for k in ("bag_ids", "exclude_ids")
         )
         losses = mil_nce(
-            all_video,
-            all_text[first],
+            gather_with_grad(video),
+            gather_ragged(text)[first],
             bags,
             1 / (scale() if callable(scale) else scale),
             self.options.direction,
@@ -231,9 +228,7 @@ def write_splits(o: MilNce.Options, root: Path, folder: Path) -> dict:
     train = howto100m.build_bags(captions, store, o.bag_size, split["train"], clips)
     howto100m.save_arrays(train, folder / "train")
     for name in ("dev", "test"):
-        windows = clips
-        if truth:
-            windows = {v: [segment["window"] for segment in truth[v]] for v in split[name]}
+        windows = {v: [s["window"] for s in truth[v]] for v in split[name]} if truth else clips
         bags = howto100m.build_bags(captions, store, 1, split[name], windows)
         text = bags["caption_text"][bags["anchor"]]
         if truth:
@@ -248,8 +243,7 @@ def device_for(backend: str | None = None) -> torch.device:
     cuda:LOCAL_RANK under NCCL, else the CPU."""
     if backend is None and dist.is_initialized():
         backend = dist.get_backend()
-    cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
-    return torch.device(cuda if backend == "nccl" else "cpu")
+    return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if backend == "nccl" else "cpu")
 
 
 def gradient_check(

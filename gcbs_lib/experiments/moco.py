@@ -152,8 +152,7 @@ class BasicBlock(nn.Module):
         self.norm2 = norm(cout)
         self.shortcut = nn.Identity()
         if cin != cout:
-            shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False)
-            self.shortcut = nn.Sequential(shortcut, norm(cout))
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))) + self.shortcut(x))

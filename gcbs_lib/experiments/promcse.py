@@ -16,9 +16,10 @@ class PromCSE(SimCSE):
     @dataclass
     class Options(SimCSE.Options):
         pre_seq_len: int = 16  # prefix length per layer (PromCSE's default for BERT-base)
-        prefix_dropout: float | None = None  # None: the backbone's hidden dropout, as PromCSE
 
     def build_model(self) -> nn.Module:
-        encoder, o = super().build_model(), self.options
-        encoder.backbone = PrefixPromptedEncoder(encoder.backbone, o.pre_seq_len, o.prefix_dropout)
+        """SimCSE's encoder, its backbone behind the prompt (dropped out as the backbone's hidden
+        states, as PromCSE)."""
+        encoder = super().build_model()
+        encoder.backbone = PrefixPromptedEncoder(encoder.backbone, self.options.pre_seq_len)
         return encoder

@@ -145,9 +145,8 @@ def paper_data(root: Path) -> tuple[list[str], dict]:
             f"or use data='standin' offline"
         )
     dev = sts.load(sts.senteval_path("STSBenchmark", senteval, "dev"), "STSBenchmark")
-    train = sts.read_sentences(train_file)
     test = {t: sts.load(sts.senteval_path(t, senteval), t) for t in sts.TASKS}
-    return train, {"dev": {"STSBenchmark": dev}, "test": test}
+    return sts.read_sentences(train_file), {"dev": {"STSBenchmark": dev}, "test": test}
 
 
 def standin_data(root: Path) -> tuple[list[str], dict]:
