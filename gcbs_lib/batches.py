@@ -14,6 +14,7 @@ def batch_length(batch: torch.Tensor | Mapping[str, Any]) -> int:
     """Rows of a batch: a tensor, or a dict whose tensor entries (all equally long) are sliced."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 0
+
     kind = type(batch).__name__
     if not isinstance(batch, Mapping):
         raise TypeError(f"a branch's batch must be a tensor or a dict of tensors, got {kind}")

@@ -64,6 +64,7 @@ def run_arms(
         results = (run_arm(*job, nproc=nproc, backend=backend) for job in jobs)
     else:
         results = on_devices(jobs, devices)
+
     summaries = {}
     for result, lines in results:
         print(*lines, sep="\n")
@@ -98,6 +99,7 @@ def run_arm(config, output_dir, start=False, baseline=False, *, nproc=1, backend
         args = {"config": asdict(config), "output_dir": str(output_dir)}
         ranks = dict(nproc=nproc, backend=backend, timeout=config.collective_timeout)
         summary = launch("gcbs_lib.train:launched", echo=False, args=args, **ranks)
+
     summaries[arm, seed] = summary
     steps = f"{summary['steps']} steps, best dev at step {summary['best_step']}"
     lines.append(f"{arm} seed {seed}: {steps}, test {scores_text(summary['rows'])}")
@@ -137,12 +139,14 @@ def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: 
     paired = next(
         x for x in lines if (x.experiment, x.metric, x.arm) == (experiment, metric, "gcbs")
     )
+
     made = results.provenance()[name]
     sd = statistics.stdev(paired.differences)
     seeds = len(paired.differences)
     seconds = made["seconds"] / seeds
     print(f"committed run at {made['commit']}: s_Δ = {sd:.4g} over {seeds} seeds,")
     print(f"{seconds:.0f} s a seed on {made['cores']} cores; the next run's seeds:")
+
     # t(0.975, n − 1)·sd/√n: the half-width of the 95 % t-interval of a mean of n values
     half = {n: float(scipy.stats.t.ppf(0.975, n - 1)) * sd / n**0.5 for n in range(2, 13)}
     for n, h in half.items():
@@ -196,9 +200,11 @@ def arms_table(summaries, stand_in="not the paper's data") -> dict:
         )
     if rows[0]["profile"] == "ci":
         print("ci profile, a smoke test: these numbers mean nothing about GCBS")
+
     lines = results.build_table(rows, outputs=outputs_of(summaries))
     lines = [line for line in lines if line.metric.startswith("test_")]
     display(MarkdownTable(results.to_markdown(lines)))
+
     # one per metric
     moved = {line.metric[5:]: line for line in lines if line.start and line.random}
     gains = [
@@ -207,6 +213,7 @@ def arms_table(summaries, stand_in="not the paper's data") -> dict:
     ]
     if gains:
         print(f"training moved the model, random − start (sd over seeds): {', '.join(gains)}")
+
     return {f"{line.arm}/{line.metric}": line for line in lines if line.delta is not None}
 
 
@@ -223,6 +230,7 @@ def plot_over_seeds(ax, summaries: dict, arms, records: str, key: str) -> dict[s
         low = [p.mean - (p.sd or 0) for p in points]
         high = [p.mean + (p.sd or 0) for p in points]
         ax.fill_between(x, low, high, alpha=0.2)
+
     ax.set(xlabel="step" if records == "dev" else "epoch")
     ax.legend()
     return curves
@@ -233,13 +241,16 @@ def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=N
     by epoch (mean ± 1 sd over seeds; the gaps printed too), and the test Δ of `lines` with their
     95 % intervals (seeds × test-item clusters) beside the paper's Δ (×), labelled `labels`."""
     _, (dev, gap, deltas) = plt.subplots(1, 3, figsize=(14, 3.5), width_ratios=(3, 3, 2))
+
     plot_over_seeds(dev, summaries, arms, "dev", key)
     dev.set(ylabel=f"dev {key} (mean ± 1 sd)", title=title)
+
     width = max(map(len, arms))
     for arm, gaps in plot_over_seeds(gap, summaries, arms, "epochs", "loss_gap").items():
         print(f"{arm:>{width}} loss gap per epoch: " + "  ".join(f"{g:.4f}" for g in gaps))
     gap.set(ylabel="loss gap (nats)", title="L_Global − L_Train of the planned batches")
     gap.xaxis.set_major_locator(MaxNLocator(integer=True))
+
     for y, line in enumerate(lines):
         low, high = line.best or (line.delta, line.delta)
         xerr = [[line.delta - low], [high - line.delta]]
@@ -252,6 +263,7 @@ def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=N
         xlabel="95 % CI, seeds × test clusters (× the paper's Δ)", ylim=(-0.7, len(lines) - 0.3)
     )
     deltas.set_title(f"{lines[0].metric}: Δ vs random")
+
     plt.tight_layout()
     plt.show()
 

@@ -58,6 +58,7 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
             f"gather_with_grad: ranks hold different shapes or dtypes (here {tuple(x.shape)} "
             f"{x.dtype}; per rank: dtype code, dims, sizes {layouts.tolist()}; see gather_ragged)"
         )
+
     return _GatherWithGrad.apply(x)
 
 
@@ -92,6 +93,7 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
     ranks): 0.0 if bitwise identical or not distributed; NaN when any rank holds a NaN."""
     if rank_and_world_size()[1] == 1:
         return 0.0
+
     tensors = [t.detach().reshape(-1) for t in tensors if t.numel()]
     layouts = [None] * dist.get_world_size()
     has_nan = any(bool(t.isnan().any()) for t in tensors)
@@ -102,6 +104,7 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
     # MAX and MIN all-reduces may drop a NaN
     if any(has_nan for _, has_nan in layouts):
         return float("nan")
+
     largest = 0.0
     for tensor in tensors:
         high, low = tensor.clone(), tensor.clone()
@@ -124,6 +127,7 @@ class VirtualRanks:
         n = batch_length(batch)
         w = self.world_size
         require(not n % w, f"a batch of {n} does not split into {w} equal shards")
+
         return [slice_batch(batch, r * n // w, (r + 1) * n // w) for r in range(w)]
 
     def all_gather(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -48,6 +48,7 @@ def unit_rows(z1, z2, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         f"{tuple(z1.shape)} on {z1.device} and {tuple(z2.shape)} on {z2.device}",
     )
     require(z1.numel(), f"empty embeddings: shape {tuple(z1.shape)}")
+
     u1, u2 = (F.normalize(z.detach().to(dtype), dim=1) for z in (z1, z2))
     # NaN/inf → a NaN row
     require(torch.isfinite(u1.sum() + u2.sum()), "the embeddings hold NaN or inf values")
@@ -72,9 +73,11 @@ def _blocks(u1: torch.Tensor, u2: torch.Tensor, keep_diagonal: bool = False, mul
     overwritten by the next (copy what outlives it)."""
     n = len(u1)
     rows = max(multiple, _block_elements(u1.device) // len(u2) // multiple * multiple)
+
     # one buffer for every block: blocks freed one by one would stay pinned in the C heap by the
     # small arrays a pass keeps after each of them (5 GB at N = 40k instead of 0.5)
     buffer = u1.new_empty(min(rows, n), len(u2))
+
     for start in range(0, n, rows):
         block = torch.matmul(u1[start : start + rows], u2.T, out=buffer[: min(rows, n - start)])
         if not keep_diagonal:
@@ -87,6 +90,7 @@ def _at_least(block: torch.Tensor, bound: float) -> tuple[np.ndarray, np.ndarray
     if block.is_cuda:
         flat = (block.view(-1) >= bound).nonzero().squeeze(1)
         return flat.cpu().numpy(), block.view(-1)[flat].cpu().numpy()
+
     values = block.numpy().ravel()
     flat = np.flatnonzero(values >= bound)
     return flat, values[flat]
@@ -101,6 +105,7 @@ def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
     sample = u1[rows] @ u2.T
     sample[torch.arange(r, device=u1.device), rows] = -math.inf
     sample = sample.view(-1)
+
     # twice the entries expected above the keep-th largest, and a margin for small samples
     k = min(r * (n - 1), 2 * math.ceil(keep * r / n) + 64)
     return float(
@@ -203,12 +208,16 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
     require(0 <= quantile <= 1, f"quantile must lie in [0, 1], got {quantile}")
     u1, u2 = unit_rows(z1, z2)
     n = len(u1)
+
     rank, world_size = rank_and_world_size() if shared else (0, 1)
     chunks = torch.arange(0, n, 10).tensor_split(world_size)[rank]
     first = int(chunks[0]) if len(chunks) else n
+
     quantiles = [torch.empty(0)]
     kept = []
     edges = [np.empty(0, np.int64)]
+
+    # blocks of whole 10-row chunks, the diagonal kept as in the published code
     for start, block in _blocks(u1[first : first + 10 * len(chunks)], u2, True, 10):
         start += first
         whole = len(block) // 10 * 10
@@ -222,18 +231,22 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
             values = None
             bound = math.inf
         kept.append((start, len(block), bound, flat, values))
+
     quantiles = torch.cat([q.cpu() for q in quantiles])
     if world_size > 1:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, quantiles)
         quantiles = torch.cat(everyone)
+
     # the README's own median of 0-d float32 tensors (sorted first: the sort then scans them once)
     median = statistics.median(quantiles.sort().values.unbind())
     threshold = np.float32(median.item())
+
     for start, length, bound, flat, values in kept:
         if bound > threshold:
             flat, values = _at_least(u1[start : start + length] @ u2.T, threshold)
         edges.append(flat[values > threshold] + start * n)
+
     edges = np.concatenate(edges)
     if world_size > 1:
         received = [None] * world_size if rank == 0 else None
@@ -241,6 +254,7 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
         if rank != 0:
             return None
         edges = np.concatenate(received)
+
     rows, cols = np.divmod(edges, n)
     return sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
 
@@ -261,6 +275,7 @@ def graph_order(graph: sp.csr_matrix, groups=None, relabel=None) -> torch.Tensor
         groups = _codes(groups)
         apart = (groups[rows] != groups[cols]) | (rows == cols)
         rows, cols = rows[apart], cols[apart]
+
     relabel = np.arange(graph.shape[0]) if relabel is None else np.asarray(relabel)
     label = np.argsort(relabel)
     edges = (np.ones(len(rows), bool), (label[rows], label[cols]))
@@ -286,6 +301,7 @@ def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> 
     if keys is None:
         starts = range(0, len(order) - batch_size + 1, batch_size)
         return [order[s : s + batch_size] for s in starts]
+
     queue = deque(order)
     batches = []
     for b in range(len(order) // batch_size):
@@ -296,6 +312,7 @@ def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> 
             i = queue.popleft()
             (waiting if keys[i] in seen else batch).append(i)
             seen.add(keys[i])
+
         while len(batch) < batch_size:
             item = _trade(waiting, batches, seen, keys)
             require(
@@ -305,6 +322,8 @@ def _cut(order: list[int], batch_size: int, keys: Sequence[Hashable] | None) -> 
             )
             batch.append(item)
             seen.add(keys[item])
+
+        # waiting items go back to the front, keeping their places in the order
         queue.extendleft(reversed(waiting))
         batches.append(batch)
     return batches
@@ -334,6 +353,7 @@ def consecutive_batches(order, batch_size: int, keys=None) -> torch.Tensor:
     if keys is not None:
         keys = keys.tolist() if hasattr(keys, "tolist") else list(keys)
         require(len(keys) == len(order), f"{len(keys)} keys for {len(order)} items")
+
     return torch.tensor(_cut(order, batch_size, keys), dtype=torch.long)
 
 
@@ -361,6 +381,7 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float) -> float:
     u1, u2 = unit_rows(z1, z2, torch.float64)
     n = len(u1)
     _check_batch_size(batch_size, n)
+
     order = torch.as_tensor(order)
     require(not order.is_floating_point(), f"order must hold integer indices, got {order.dtype}")
     order = order.long().to(u1.device)

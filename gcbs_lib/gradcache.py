@@ -31,13 +31,16 @@ class RandContext:
     def __init__(self, *tensors: torch.Tensor):
         # one state per device
         tensors = {t.device: t for t in tensors}.values()
+
         self.cpu_state = torch.get_rng_state()
+        # no device tensor: fork_rng's own default type, with no device to fork
         self.device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), "cuda")
         self.devices, self.device_states = get_device_states(*tensors)
 
     def __enter__(self) -> "RandContext":
         self._fork = torch.random.fork_rng(devices=self.devices, device_type=self.device_type)
         self._fork.__enter__()
+
         torch.set_rng_state(self.cpu_state)
         set_device_states(self.devices, self.device_states, device_type=self.device_type)
         return self
@@ -56,6 +59,7 @@ def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Chunks' embeddings stacked on dim 0, zero-padded to the longest in each later dim."""
     shape = [max(sizes) for sizes in zip(*(part.shape[1:] for part in parts))]
     out = parts[0].new_zeros(sum(len(part) for part in parts), *shape)
+
     start = 0
     for part in parts:
         out[(slice(start, start + len(part)), *map(slice, part.shape[1:]))] = part
@@ -184,10 +188,12 @@ def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
     require(positive, f"chunk_size must be a positive integer, got {chunk_size!r}")
     sequence = not isinstance(batches, (torch.Tensor, Mapping)) and len(batches) > 0
     require(sequence, "batches must be a non-empty sequence with one input per branch")
+
     if not isinstance(encoders, (list, tuple, nn.ModuleList)):
         encoders = [encoders] * len(batches)
     counts = f"{len(encoders)} encoders for {len(batches)} branches"
     require(len(encoders) == len(batches), f"{counts}: give one per branch or one shared")
+
     chunks = []
     for branch, (encoder, batch) in enumerate(zip(encoders, batches)):
         n = batch_length(batch)
@@ -197,6 +203,7 @@ def _chunks(encoders, batches: Sequence, chunk_size: int) -> list[_Chunk]:
         modules = encoder.modules() if isinstance(encoder, nn.Module) else []
         norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in modules)
         require(not norm, f"branch {branch}: BatchNorm in training mode {CHUNKED_NORM}")
+
         for start in range(0, n, chunk_size):
             rows = slice(start, min(start + chunk_size, n))
             chunks.append(_Chunk(branch, encoder, slice_batch(batch, rows.start, rows.stop), rows))

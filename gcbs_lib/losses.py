@@ -42,6 +42,7 @@ def similarity(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     are padding (a padded query token adds 0; a padded document token is never the max)."""
     if queries.dim() == 2:
         return queries @ docs.T
+
     tokens = torch.einsum("qtd,nud->qntu", queries, docs)
     padding = (docs == 0).all(dim=-1)
     return tokens.masked_fill(padding[None, :, None, :], -math.inf).amax(dim=-1).sum(dim=-1)
@@ -80,9 +81,11 @@ def rank_info_nce(
     shapes = f"queries {tuple(q)}, documents {tuple(d)}"
     same = len(q) == len(d) in (2, 3) and q[-1] == d[-1]
     require(same, f"embedding sizes differ or are not [rows, D] (or [rows, tokens, D]): {shapes}")
+
     own_rank, own_world_size = rank_and_world_size()
     rank = own_rank if rank is None else rank
     world_size = own_world_size if world_size is None else world_size
+
     n, m = len(all_queries), len(all_docs)
     require(
         n and m and not m % n and not n % world_size,
@@ -92,6 +95,7 @@ def rank_info_nce(
     )
     got = None if groups is None else tuple(groups.shape)
     require(groups is None or got == (m,), f"groups must hold one id per document ({m}), got {got}")
+
     # documents per query, and queries per rank
     group = m // n
     b = n // world_size
@@ -100,11 +104,13 @@ def rank_info_nce(
     logits = [similarity(all_queries[own], all_docs) * s]
     if symmetric:
         logits.append(similarity(all_docs[own * group], all_queries) * s)
+
     if groups is not None:
         anchors = torch.arange(b, device=own.device)
         same = _same_group_mask(groups[own * group], groups, anchors, own * group)
         # query j's group is its positive document's: the mask's columns j·(1+k)
         logits = [x.masked_fill(m, -math.inf) for x, m in zip(logits, (same, same[:, ::group]))]
+
     targets = (own * group, own)
     return sum(F.cross_entropy(x, target) for x, target in zip(logits, targets)) / len(logits)
 
@@ -146,6 +152,7 @@ def mil_nce(
     exclude = _checked_mil_nce_inputs(
         video, text, bag_idx, temperature, direction, chunk_size, reduction, exclude_idx
     )
+
     scaled = video / temperature
     padding = bag_idx < 0
     bags = bag_idx.clamp(min=0)
@@ -156,6 +163,7 @@ def mil_nce(
     if groups is not None:
         same_rows, same_cols = _same_group_captions(groups, bag_idx, len(text))
         rows, cols = torch.cat([rows, same_rows]), torch.cat([cols, same_cols])
+
     positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf)
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
     if direction == "both":  # every clip against caption j (column sums), then over clip i's bag
@@ -216,6 +224,7 @@ def _checked_mil_nce_inputs(
         not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
         "a caption appears twice in one bag; list each caption of a bag once",
     )
+
     shared = (exclude[:, :, None] == bag_idx[:, None, :]) & (bag_idx[:, None] >= 0)
     require(not shared.any(), "a caption is both in clip i's bag and excluded from its negatives")
     return exclude
@@ -226,8 +235,10 @@ def _same_group_captions(groups, bag_idx, captions: int) -> tuple[torch.Tensor, 
     a caption's group is its bags' clips' (one group; captions in no bag: none), bags kept."""
     got = tuple(groups.shape)
     require(got == (len(bag_idx),), f"groups must hold one id per clip ({len(bag_idx)}), got {got}")
+
     rows, slots = (bag_idx >= 0).nonzero(as_tuple=True)
     cols = bag_idx[rows, slots]
+
     # a caption in no bag takes a group no clip has
     caption_groups = groups.new_full((captions,), int(groups.min()) - 1)
     caption_groups[cols] = groups[rows]
@@ -262,6 +273,7 @@ class _ChunkedLogSumExp(torch.autograd.Function):
             for r in range(0, len(a), chunk_size)
             for c in range(0, len(b), chunk_size)
         ]
+
         lse = a.new_full((len(a),), -math.inf)
         for r, c in ctx.blocks:
             lse[r] = torch.logaddexp(lse[r], _masked_block(a, b, rows, cols, r, c).logsumexp(dim=1))

@@ -24,6 +24,7 @@ def generator(seed: int, epoch: int, purpose: str) -> torch.Generator:
 def fixed_subset(n: int, limit: int | None, purpose: str) -> list[int]:
     """range(n), or a fixed random `limit` (≥ 1) of it, sorted: the same for every seed and arm."""
     require(limit is None or limit >= 1, f"the {purpose} limit must be at least 1, got {limit}")
+
     if limit is None or limit >= n:
         return list(range(n))
     return sorted(torch.randperm(n, generator=generator(0, 0, purpose))[:limit].tolist())
@@ -31,6 +32,7 @@ def fixed_subset(n: int, limit: int | None, purpose: str) -> list[int]:
 
 def one_per_group(groups: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One item of each group drawn uniformly (`groups`: each item's group, 0 … G−1), sorted."""
+    # each group keeps its item of lowest random priority: a uniform draw, all groups at once
     priority = torch.randperm(len(groups), generator=generator)
     first = torch.full((int(groups.max()) + 1,), len(groups))
     first = first.scatter_reduce(0, groups, priority, "amin")

@@ -104,6 +104,7 @@ def _typed(key: str, value: Any, kind: Any) -> Any:
     choices = get_args(kind) if get_origin(kind) is not Literal else ()
     if type(None) in choices and parsed in (None, "none", "None"):
         return None
+
     text = kind is str or str in choices or get_origin(kind) is Literal
     name = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
     return as_type(value if text else parsed, kind, f"{key} must be {name}, got {value!r}")
@@ -119,9 +120,11 @@ def load_config(
     sections = yaml.safe_load((CONFIG_DIR / f"{kind.config or experiment}.yaml").read_text())
     known = sorted(set(sections) - {"common"})
     require(profile in known, f"unknown profile {profile!r} for {experiment}; known: {known}")
+
     train_types = get_type_hints(TrainConfig)
     del train_types["experiment"], train_types["options"]
     types = {**get_type_hints(kind.Options), **train_types}
+
     values = {}
     merged = {**(sections.get("common") or {}), **(sections[profile] or {}), "profile": profile}
     for key, value in {**merged, **(overrides or {})}.items():
@@ -131,6 +134,7 @@ def load_config(
                 f"{experiment} keys: {', '.join(sorted(set(types) - set(train_types)))}"
             )
         values[key] = _typed(key, value, types[key])
+
     train_values = {k: values.pop(k) for k in list(values) if k in train_types}
     return TrainConfig(experiment, options=kind.Options(**values), **train_values)
 
@@ -165,6 +169,7 @@ class RunFolder:
             not self.dir.exists() or self.dir.is_dir(),
             f"output directory {self.dir} is a file: name a folder (made if missing)",
         )
+
         self.config = config
         self.main = main
         self.log_lines = 0  # what metrics.jsonl holds of this run
@@ -179,6 +184,7 @@ class RunFolder:
         state = load_checkpoint(path) if path.exists() else {}
         made = state.get("code", {})
         redo = bool(state) and made.get("sha256") != self.code["sha256"]
+
         # every rank's step (and, before rank 0 removes a checkpoint, every rank has read it)
         here = (f"{socket.gethostname()}:{self.dir.resolve()}", 0 if redo else state.get("step", 0))
         ranks = [here] * world_size
@@ -190,6 +196,7 @@ class RunFolder:
                 f"the ranks would resume from different steps ({steps}): --output-dir must be one "
                 "folder shared by every node, so that all resume from rank 0's checkpoint"
             )
+
         settings = asdict(self.config)
         old = state.get("config", settings)
         # a key missing from `old` came after it: a redo
@@ -199,6 +206,7 @@ class RunFolder:
             f"{path} was written with other settings ({', '.join(changed)}): use another "
             "output directory, or the same settings to resume",
         )
+
         say = tqdm.write if self.main else lambda message: None
         if redo:
             say(
@@ -209,11 +217,13 @@ class RunFolder:
                 if self.main:
                     (self.dir / name).unlink(missing_ok=True)
             state = {}
+
         log = self.dir / "metrics.jsonl"
         if not state:
             if self.main:
                 log.write_text("")
             return {}
+
         say(
             f"reusing {self.dir}: finished at step {state['step']}, made {made['date']}, commit "
             f"{made['commit']}"
@@ -264,11 +274,13 @@ class Trainer:
         self.run = RunFolder(output_dir, config, self.main)
         part = config.batch_size // self.world_size
         self.rows = slice(self.rank * part, (self.rank + 1) * part)  # this rank's of each batch
+
         self.device = rank_device(config.device)
         self.experiment = experiments.get(config.experiment)(
             config.options, seed=config.seed, device=self.device
         )
         self.train_set = self.experiment.load_data()
+
         n = self.train_set.size  # items an epoch
         # each item's group as a number: TrainSet.groups (class, video, module), else duplicate keys
         named = self.train_set.groups or self.train_set.duplicate_keys
@@ -279,6 +291,7 @@ class Trainer:
             groups = self.train_set.groups
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
             n = int(self.group_codes.max()) + 1
+
         for key in ("mask_same_group", "gcbs_prune_groups"):
             require(
                 named is not None or not getattr(config, key),
@@ -290,6 +303,7 @@ class Trainer:
         )
         queue = f"mask_same_group: {config.experiment}'s negatives are a queue (ungrouped)"
         require(self.experiment.in_batch_negatives or not config.mask_same_group, queue)
+
         self.steps_per_epoch = n // config.batch_size
         self.total_steps = min(
             config.epochs * self.steps_per_epoch, config.max_steps or float("inf")
@@ -304,6 +318,8 @@ class Trainer:
         )
         if config.sampler == "hard_negatives" and not self.experiment.supports_mining:
             raise ValueError(f"experiment {config.experiment!r} does not take mined negatives")
+
+        # every arm of a seed starts from the same weights
         torch.manual_seed(seeding.stream_seed(config.seed, 0, "init"))
         dtype = getattr(torch, config.dtype)
         self.model = self.experiment.build_model().to(self.device, dtype)
@@ -315,6 +331,7 @@ class Trainer:
         self.parameters = [
             p for part in self.stateful.values() for p in part.parameters() if p.requires_grad
         ]
+
         modules = self.experiment.branches(self.model)  # each distinct trainable one goes in DDP
         inside = {id(p) for module in modules for p in module.parameters()}
         # their gradients: all_reduce_gradients
@@ -325,6 +342,7 @@ class Trainer:
             if self.world_size > 1 and any(p.requires_grad for p in m.parameters())
         }
         self.branch_modules = [wrapped.get(id(m), m) for m in modules]
+
         optimizers = {"adamw": torch.optim.AdamW, "sgd": partial(torch.optim.SGD, momentum=0.9)}
         self.optimizer = optimizers[config.optimizer](
             self.parameters, lr=config.lr, weight_decay=config.weight_decay
@@ -336,6 +354,7 @@ class Trainer:
         # fp16: scales the loss, skips a step whose gradients overflowed (disabled: does nothing)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
         self.stateful.update(optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler)
+
         self.step = 0
         self.epoch = 0
         self.position = 0  # the batches of the epoch's plan taken
@@ -348,11 +367,14 @@ class Trainer:
         vars(self).update(self.run.resume(self.stateful, self.total_steps, self.world_size))
         if self.main and self.step == 0:  # the untrained model: the dev curve's first point
             self._evaluate_dev()
+
         shown = config.progress and self.main
         for _ in tqdm(range(self.step, self.total_steps), disable=not shown):
             if self.plan is None or self.position == self.steps_per_epoch:  # a new epoch
                 self.epoch, self.position = self.epoch + (self.plan is not None), 0
                 self.plan = self._plan_epoch()
+
+            # reseeded at each step, so a resumed run draws the masks an unbroken one would
             dropout = f"dropout/rank{self.rank}/step{self.step}"
             torch.manual_seed(seeding.stream_seed(config.seed, self.epoch, dropout))
             # this rank's items (and their negatives)
@@ -363,18 +385,21 @@ class Trainer:
             record = self._train_step(self._collate(*rows))
             self.step, self.position = self.step + 1, self.position + 1
             self.run.log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
+
             done = self.step == self.total_steps
             due = config.eval_every and self.step % config.eval_every == 0
             if self.main and (due or done or self.position == self.steps_per_epoch):  # epoch end
                 self._evaluate_dev()
             if self.step % config.checkpoint_every == 0 or done:
                 self.run.save(self.stateful, {key: getattr(self, key) for key in STATE})
+
         return self._summary() if self.main else None
 
     def _evaluate_dev(self) -> None:
         """Score the model on dev and log it; rank 0 keeps the best so far as best.pt."""
         scores = self.experiment.scores(self._in_eval_mode(self.experiment.evaluate, "dev"))
         value = scores[self.experiment.dev_metric]
+
         if self.best["value"] is None or value > self.best["value"]:
             self.best = {"value": value, "step": self.step}
             state = {"model": self.model.state_dict(), **self.best}
@@ -388,6 +413,7 @@ class Trainer:
         start = time.perf_counter()
         items = self._items(self.epoch)
         z1 = z2 = None
+
         # GCBS on several ranks: each scans its rows of S for the graph, rank 0 orders it
         shared = config.sampler == "gcbs" and self.world_size > 1
         if config.sampler != "random" or config.log_loss_gap:  # one embedding serves both
@@ -396,10 +422,12 @@ class Trainer:
             pairs = [embed(part) for part in share.split(config.embed_batch_size)]
             to_main = not shared
             z1, z2 = (distributed.gather_ragged(torch.cat(z).float(), to_main) for z in zip(*pairs))
+
         embedded = time.perf_counter()
         graph = None
         if shared:
             graph = gcbs.published_graph(z1, z2, self._quantile(len(items)), shared=True)
+
         plan = [None]
         if self.main:
             positions, diagnostics = self._sample(z1, z2, items, graph)  # rows of z1, z2
@@ -407,21 +435,25 @@ class Trainer:
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
             record.update(embed_seconds=embedded - start, sampler_seconds=sampled - embedded)
+
             if config.log_loss_gap:
                 rows = positions["batches"].reshape(-1)
                 tau = 1 / self._scale()
                 record["loss_gap"] = gcbs.loss_gap(
                     z1[rows], z2[rows], torch.arange(len(rows)), config.batch_size, tau
                 )
+
             groups = self._groups(items)
             if groups is not None:
                 record["same_group_pairs"] = gcbs.same_group_pairs(positions["batches"], groups)
+
             dropped = set(items.tolist()) - set(plan[0]["batches"].view(-1).tolist())
             if self.plan is not None and dropped:  # the last epoch's plan: what it left out
                 before = set(self._items(self.epoch - 1).tolist())
                 before -= set(self.plan["batches"].view(-1).tolist())
                 diagnostics["dropped_again"] = len(dropped & before) / len(dropped)
             self.run.log({**record, **diagnostics})
+
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
         return plan[0]
@@ -430,6 +462,7 @@ class Trainer:
         """The items of `epoch`: all of the training set, or one per group drawn afresh."""
         if not self.config.one_per_group:
             return torch.arange(self.train_set.size)
+
         draw = seeding.generator(self.config.seed, epoch, "one-per-group")
         return seeding.one_per_group(self.group_codes, draw)
 
@@ -484,6 +517,7 @@ class Trainer:
         batch = self.experiment.collate(indices, negatives)
         if not self.config.mask_same_group:
             return batch
+
         documents = [indices] if negatives is None else [indices, negatives]
         groups = self.group_codes[torch.tensor(documents).T.reshape(-1)]
         return batch._replace(extra={**(batch.extra or {}), "groups": groups})
@@ -520,12 +554,14 @@ class Trainer:
         loss_fn = lambda *embeddings: self.experiment.loss(embeddings, batch, self.scale)  # noqa: E731
         autocast = AUTOCAST.get(self.config.precision)
         chunk_size = self.config.chunk_size
+
         # GradCache's replays take up the autocast state `cached_loss` was called in
         with torch.autocast(self.device.type, autocast, enabled=autocast is not None):
             if chunk_size is not None:
                 loss = gradcache.cached_loss(loss_fn, self.branch_modules, batch.inputs, chunk_size)
             else:
                 loss = loss_fn(*[module(x) for module, x in zip(self.branch_modules, batch.inputs)])
+
         global_loss = distributed.gather_with_grad(loss.detach().double().reshape(1)).mean()
         self.scaler.scale(loss).backward()
         distributed.all_reduce_gradients(self.outside_ddp)
@@ -538,6 +574,7 @@ class Trainer:
         judged = {"the loss": loss, "the gradient norm": norm}
         if self.scaler.is_enabled():
             del judged["the gradient norm"]
+
         for what, value in judged.items():  # nothing changed yet: the checkpoint is still good
             if not math.isfinite(value):
                 raise TrainingDiverged(
@@ -549,6 +586,7 @@ class Trainer:
         every = config.sync_check_every
         if self.world_size == 1 or not every or (self.step + 1) % every or not math.isfinite(norm):
             return {}
+
         grads = [p.grad for p in self.parameters if p.grad is not None]
         difference = distributed.rank_difference([*self.parameters, *grads])
         if difference != 0:  # NaN included
@@ -586,16 +624,20 @@ class Trainer:
     def _summary(self) -> dict:
         """Score the last step's model and best.pt on test (per-item outputs in outputs.json) into
         results.json, with best.pt's dev score and each epoch's diagnostics; return a summary."""
+        # the last step's model first: loading best.pt replaces it
         last_rows, last = self.score("last_test_")
         best = load_checkpoint(self.run.dir / "best.pt")
         self.model.load_state_dict(best["model"])
         rows, outputs = self.score()
+
         rows += self.result_rows({self.experiment.dev_metric: best["value"]}, "dev_") + last_rows
         for epoch in self.run.records("epoch"):  # the diagnostics: loss_gap@epoch0, ...
             diagnostics = {k: v for k, v in epoch.items() if k in DIAGNOSTICS}
             rows += self.result_rows(diagnostics, "", f"@epoch{epoch['epoch']}")
+
         write_rows(self.run.dir / "results.json", rows)
         write_atomic(self.run.dir / "outputs.json", json.dumps({"best": outputs, "last": last}))
+
         return {
             "output_dir": str(self.run.dir),
             "steps": self.step,
@@ -648,6 +690,7 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="a TrainConfig field or an option of the experiment (repeatable)",
     )
+
     arguments = parser.parse_args(argv)
     overrides = {
         k: getattr(arguments, k) for k in ("seed", "sampler") if getattr(arguments, k) is not None
@@ -659,18 +702,22 @@ def main(argv: list[str] | None = None) -> None:
         if arguments.print_config:
             print(yaml.safe_dump(asdict(config), sort_keys=False), end="")
             return
+
         # Without --output-dir, one folder per run under ./runs, named by what tells runs apart.
         name = f"{config.experiment}-{arguments.profile}-{config.sampler}-seed{config.seed}"
         output_dir = arguments.output_dir or Path("runs") / name
+
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
             timeout = collective_timeout(config.collective_timeout)
             dist.init_process_group("nccl" if config.device == "cuda" else "gloo", timeout=timeout)
         trainer = Trainer(config, output_dir)
     except (KeyError, ValueError, OSError) as error:
         parser.error(error.args[0] if isinstance(error, KeyError) else str(error))
+
     summary = trainer.fit()
     if summary is not None:
         print(json.dumps({key: summary[key] for key in ("test", "best_step", "output_dir")}))
+
     if dist.is_initialized():  # torchrun's: DDP's reducers freed, then all ranks leave together
         del trainer
         gc.collect()
