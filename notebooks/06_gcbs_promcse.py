@@ -189,16 +189,17 @@ line = deltas["gcbs/test_spearman"]
 print(f"verdict on test Spearman: {line.verdict}")
 
 # %% [markdown]
-# **What the committed `cpu` run says** (four pre-registered seeds, build @42f21b6, judged under protocol v2;
-# the full table in `docs/results.md`, from `results/06_gcbs_promcse.cpu.json`). The frozen start clears chance
-# and TF-IDF (0.111) by far: 0.450 mean test Spearman. Training the prompt then moves it little, and down:
-# random's gain over the start is −0.012 [−0.040, +0.015], GCBS's −0.024 [−0.048, +0.000], so the verdict reads
-# *not measurable here*. GCBS's Δ is −0.012 [−0.025, +0.002] on best-dev checkpoints and −0.018 [−0.031, −0.004]
-# on the last step; with no gain to compare against, it says only that GCBS's batches cost this start more. The
-# diagnostic shows GCBS doing what it promises: its first batches' loss gap is the smaller (3.83 against 4.11
-# nats). As in notebook 05, the dev Lee pairs do not foretell the test sets: random's dev score rises from 0.171
-# to 0.192 while its SimLex-999 score falls from 0.352 to 0.300. So PromCSE on this start, like SimCSE, cannot
-# measure GCBS on laptop data.
+# **What the committed `cpu` run says** (four pre-registered seeds from the shipped start @86dde90, judged under
+# protocol v2; the full table in `docs/results.md`, from `results/06_gcbs_promcse.cpu.json`). The frozen start
+# clears chance and TF-IDF (0.111) by far: 0.454 mean test Spearman. Training the prompt then moves it little,
+# and down: random's gain over the start is −0.014 [−0.041, +0.012], GCBS's −0.026 [−0.051, −0.001], so the
+# verdict reads *not measurable here*, as it did from the earlier start @42f21b6. GCBS's Δ is −0.011 [−0.031,
+# +0.009] on best-dev checkpoints and −0.016 [−0.030, −0.003] on the last step; with no gain to compare against,
+# it says only that GCBS's batches cost this start more. The diagnostic shows GCBS doing what it promises: its
+# first batches' loss gap is the smaller (3.83 against 4.10 nats), at k = 17.0 neighbours per item (19.5 edges
+# per item, 0.140 isolated). As in notebook 05, the dev Lee pairs do not foretell the test sets: random's dev
+# score rises from 0.167 to 0.195 while its SimLex-999 score falls from 0.355 to 0.299. So PromCSE on this
+# start, like SimCSE, cannot measure GCBS on laptop data.
 
 # %% [markdown]
 # ## 6 · Dev Spearman and the loss gap per epoch
