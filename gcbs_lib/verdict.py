@@ -50,8 +50,9 @@ def bootstrap(experiment: str, runs: dict, pairs: list[tuple[str, str]], draws=D
     for a contrast such as the interaction (g+m − r+m) − (g − r) = ((g+m, r), (r+m, g)).
     `runs`: {name: {seed: Outputs}}, every name on the same seeds but a baseline's one run, which
     stands for every seed. Each draw resamples the seeds (paired) and, within each task, the
-    clusters of test items (the same for every run). The interval is the wider of the draws' percentile interval and `welch_t`'s, whose seed part has
-    n − 1 degrees of freedom (a percentile bootstrap over 4–6 seeds is too narrow)."""
+    clusters of test items (the same for every run). The interval is the wider of the draws'
+    percentile interval and `welch_t`'s, whose seed part has n − 1 degrees of freedom (a percentile
+    bootstrap over 4–6 seeds is too narrow)."""
     scores = experiments.get(experiment).scores
     sides = {side: side if isinstance(side, tuple) else (side,) for pair in pairs for side in pair}
     first = runs[sides[pairs[0][0]][0]]
