@@ -454,7 +454,7 @@ for name, summary in (("DDP", ddp_summary), ("1 process", one_summary)):
 # held-out steps the candidates; R@K counts a candidate that ties the match as ranked above it (pessimistic).
 
 
-# %% tags=["figure:recall-vs-bag-size"]
+# %%
 def run(changes, name):
     """Train the milnce experiment (`profile`, `overrides`, then `changes`) in `work / name`; the run's summary."""
     return train(
@@ -472,7 +472,8 @@ sweep = {
     for sd in seeds
 }
 r10 = {(s, k): np.mean([sweep[s, k, sd]["r10"] for sd in seeds]) for s in sigmas for k in bag_sizes}
-# %%
+
+# %% tags=["figure:recall-vs-bag-size"]
 plt.figure(figsize=(5, 3.2))
 for s in sigmas:
     plt.plot(bag_sizes, [r10[s, k] for k in bag_sizes], "o-", label=f"σ = {s:g} s")

@@ -434,8 +434,8 @@ def test_gcbs_arms_log_their_graph_and_every_arm_what_it_drops_again_as_result_r
         quantiles.append(quantile)
         return graph(z1, z2, quantile)
 
-    def recorded_sample(self, z1, z2, items):
-        plan, diagnostics = sample(self, z1, z2, items)
+    def recorded_sample(self, z1, z2, items, graph=None):
+        plan, diagnostics = sample(self, z1, z2, items, graph)
         planned.append(set(range(192)) - set(plan["batches"].view(-1).tolist()))
         return plan, diagnostics
 
