@@ -22,12 +22,11 @@ from typing import Hashable, Sequence
 import numpy as np
 import scipy.sparse as sp
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from gcbs_lib.check import require
-from gcbs_lib.distributed import rank_and_world_size
+from gcbs_lib.distributed import gather_ragged, rank_and_world_size
 
 BLOCK_ELEMENTS = 2**22  # similarities per block on the CPU: 16 MiB of float32
 DEVICE_BLOCK_ELEMENTS = 2**27  # on a GPU: 512 MiB of float32
@@ -213,7 +212,7 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
     chunks = torch.arange(0, n, 10).tensor_split(world_size)[rank]
     first = int(chunks[0]) if len(chunks) else n
 
-    quantiles = [torch.empty(0)]
+    quantiles = [u1.new_empty(0)]
     kept = []
     edges = [np.empty(0, np.int64)]
 
@@ -232,14 +231,12 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
             bound = math.inf
         kept.append((start, len(block), bound, flat, values))
 
-    quantiles = torch.cat([q.cpu() for q in quantiles])
-    if world_size > 1:
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, quantiles)
-        quantiles = torch.cat(everyone)
+    quantiles = torch.cat(quantiles)
+    if shared:  # every rank's chunk quantiles: one threshold on every rank
+        quantiles = gather_ragged(quantiles)
 
     # the README's own median of 0-d float32 tensors (sorted first: the sort then scans them once)
-    median = statistics.median(quantiles.sort().values.unbind())
+    median = statistics.median(quantiles.sort().values.cpu().unbind())
     threshold = np.float32(median.item())
 
     for start, length, bound, flat, values in kept:
@@ -247,15 +244,13 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
             flat, values = _at_least(u1[start : start + length] @ u2.T, threshold)
         edges.append(flat[values > threshold] + start * n)
 
-    edges = np.concatenate(edges)
-    if world_size > 1:
-        received = [None] * world_size if rank == 0 else None
-        dist.gather_object(edges, received, dst=0)
-        if rank != 0:
+    edges = torch.from_numpy(np.concatenate(edges))
+    if shared:  # every rank's edges, to rank 0 alone
+        edges = gather_ragged(edges.to(u1.device), main_only=True)
+        if edges is None:
             return None
-        edges = np.concatenate(received)
 
-    rows, cols = np.divmod(edges, n)
+    rows, cols = np.divmod(edges.cpu().numpy(), n)
     return sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
 
 
