@@ -223,7 +223,8 @@ def judge(runs: dict, boot, experiment, metric, arm, summaries, paper) -> tuple:
     calls = tuple(verdict.called(arm, metric, *i) if measured and i else "" for i in (best, last))
     if measured:
         said += where_paper(paper, *best)
-    return best, last, [why for whys in reasons.values() for why in whys], said, calls, clusters
+    gate = [why for whys in reasons.values() for why in whys]
+    return best, last, gate, said, calls, clusters
 
 
 def clusters_text(outputs: experiments.Outputs) -> str:
@@ -395,7 +396,8 @@ def verify(folder: str | Path = COMMITTED, pages=PAGES) -> str | None:
         rows = {itemgetter("experiment", "arm", "seed", "metric")(r): r for r in read_rows(f)}
         for run in read_outputs(f):
             prefix = CHECKPOINTS[run["checkpoint"]]
-            for metric, value in experiments.get(run["experiment"]).scores(run["outputs"]).items():
+            scores = experiments.get(run["experiment"]).scores(run["outputs"])
+            for metric, value in scores.items():
                 key = (run["experiment"], run["arm"], run["seed"], prefix + metric)
                 if key not in rows or not math.isclose(rows[key]["value"], value, rel_tol=1e-12):
                     found = rows[key]["value"] if key in rows else "no row"

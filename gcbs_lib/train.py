@@ -224,10 +224,11 @@ class RunFolder:
                 log.write_text("")
             return {}
 
+        finished = state["step"] == total_steps
         say(
             f"reusing {self.dir}: finished at step {state['step']}, made {made['date']}, commit "
             f"{made['commit']}"
-            if state["step"] == total_steps
+            if finished
             else f"resuming {path} at step {state['step']} of {total_steps}"
         )
         for key, part in stateful.items():
@@ -387,8 +388,9 @@ class Trainer:
             self.run.log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
 
             done = self.step == self.total_steps
+            epoch_end = self.position == self.steps_per_epoch
             due = config.eval_every and self.step % config.eval_every == 0
-            if self.main and (due or done or self.position == self.steps_per_epoch):  # epoch end
+            if self.main and (due or done or epoch_end):
                 self._evaluate_dev()
             if self.step % config.checkpoint_every == 0 or done:
                 self.run.save(self.stateful, {key: getattr(self, key) for key in STATE})

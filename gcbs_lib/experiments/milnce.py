@@ -44,7 +44,8 @@ class SentenceHead(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = F.relu(self.fc1(self.words(batch["input_ids"])))
         padding = ~batch["attention_mask"].bool()[..., None]
-        return F.normalize(self.fc2(hidden.masked_fill(padding, float("-inf")).amax(dim=1)), dim=-1)
+        hidden = hidden.masked_fill(padding, float("-inf")).amax(dim=1)
+        return F.normalize(self.fc2(hidden), dim=-1)
 
 
 class VideoHead(nn.Linear):
@@ -147,9 +148,11 @@ class MilNce(Experiment):
             _positions(gather_with_grad(batch.extra[k]), captions)
             for k in ("bag_ids", "exclude_ids")
         )
+        all_video = gather_with_grad(video)
+        all_text = gather_ragged(text)
         losses = mil_nce(
-            gather_with_grad(video),
-            gather_ragged(text)[first],
+            all_video,
+            all_text[first],
             bags,
             1 / (scale() if callable(scale) else scale),
             self.options.direction,

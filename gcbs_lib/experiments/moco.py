@@ -286,11 +286,11 @@ class MoCo(Experiment):
             world == 1 or o.bn_splits >= 2 * world,
             f"on {world} ranks bn_splits must be at least {2 * world} (2 groups a rank)",
         )
-        self.model = MoCoModel(self.train.shape[1], o, self.views, self.norm(o.bn_splits // world))
+        self.model = MoCoModel(self.train.shape[1], o, self.views, self.norms(o.bn_splits // world))
         return self.model
 
-    def norm(self, splits: int):
-        """The encoder's normalisation layer, `norm(channels)`: BatchNorm over `splits` groups of a
+    def norms(self, splits: int):
+        """The encoder's normalisation layers, `norm(channels)`: BatchNorm over `splits` groups of a
         training batch, or GroupNorm (options.norm)."""
         if self.options.norm == "group":
             return lambda channels: nn.GroupNorm(max(1, channels // 8), channels)
@@ -360,7 +360,7 @@ class SimCLR(MoCo):
     def build_model(self) -> nn.Module:
         require(rank_and_world_size()[1] == 1, "simclr runs in one process (BatchNorm is per rank)")
         # its loss needs no queue
-        return MoCoModel(self.train.shape[1], self.options, self.views, self.norm(1))
+        return MoCoModel(self.train.shape[1], self.options, self.views, self.norms(1))
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.query]
