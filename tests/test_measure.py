@@ -1,6 +1,8 @@
 """Specification of the memory probes: the rise of the resident set over a step, by either CPU
 measure."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -11,11 +13,23 @@ from gcbs_lib.measure import memory_method, memory_rise, step_bytes
 MiB = 2**20
 
 
+def held(make):
+    """A step that makes its memory and holds it 0.2 s, so that the sampler (a thread that needs the
+    GIL and a core on a busy machine) sees the peak."""
+
+    def step() -> None:
+        made = make()
+        time.sleep(0.2)
+        del made
+
+    return step
+
+
 @pytest.mark.parametrize("method", ["vmhwm", "sampled_rss"])
 def test_a_step_that_fills_256_mib_rises_by_about_256_mib(method):
     if method == "vmhwm" and memory_method("cpu") != "vmhwm":
         pytest.skip("no writable /proc/self/clear_refs here")
-    rise = memory_rise(lambda: torch.ones(64 * MiB).sum(), method)  # 64 Mi float32
+    rise = memory_rise(held(lambda: torch.ones(64 * MiB)), method)  # 64 Mi float32
     assert 240 * MiB < rise < 300 * MiB
 
 
@@ -24,9 +38,13 @@ def test_a_memory_mapped_file_read_in_counts_in_the_resident_set_but_not_in_the_
     tmp_path, method, counted
 ):
     np.ones(32 * MiB, dtype=np.float32).tofile(tmp_path / "ones")  # 128 MiB on disk
-    rise = memory_rise(
-        lambda: np.memmap(tmp_path / "ones", dtype=np.float32, mode="r").sum(), method
-    )
+
+    def read() -> np.ndarray:
+        mapped = np.memmap(tmp_path / "ones", dtype=np.float32, mode="r")
+        mapped.sum()
+        return mapped
+
+    rise = memory_rise(held(read), method)
     assert (rise > 100 * MiB) == counted and rise < 160 * MiB
 
 
