@@ -158,9 +158,7 @@ class BasicBlock(nn.Module):
         return F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))) + self.shortcut(x))
 
 
-def small_resnet(
-    channels: int, width: int, stages: int, blocks: int, norm=nn.BatchNorm2d
-) -> nn.Module:
+def small_resnet(channels: int, width: int, stages: int, blocks: int, norm) -> nn.Module:
     """A CIFAR-style ResNet (3×3 stem, no max-pool): `stages` stages of `blocks` basic blocks of
     width width·2^s, stride 2 from the second on, global average pooling (ResNet-18: 4, 2, 64);
     `norm(channels)` makes each normalisation layer."""
