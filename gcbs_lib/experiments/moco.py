@@ -239,9 +239,6 @@ class MoCo(Experiment):
         knn_temperature: float = 0.1
         eval_batch_size: int = 512
         bn_splits: int = 8  # BatchNorm groups of a batch: bn_splits / world size per rank
-        # batch: (split) BatchNorm; group: GroupNorm of 8 channels a group, an image normalised by
-        # its own statistics alone, whatever else its batch holds (the BatchNorm control)
-        norm: str = "batch"
 
     dev_metric = "knn_accuracy"
     from_scratch = True
@@ -252,14 +249,12 @@ class MoCo(Experiment):
     @property
     def model_name(self) -> str:
         o = self.options
-        norm = "-gn" if o.norm == "group" else ""
-        return f"{self.family}-resnet{norm}-w{o.width}-{o.stages}x{o.blocks}"
+        return f"{self.family}-resnet-w{o.width}-{o.stages}x{o.blocks}"
 
     def load_data(self) -> TrainSet:
         o, root = self.options, data_root(self.options.data_root)
         require(0 <= o.momentum < 1, f"need momentum in [0, 1), got {o.momentum}")
         require(o.dev_size >= 0, f"need dev_size >= 0, got {o.dev_size}")
-        require(o.norm in ("batch", "group"), f"norm: batch or group, got {o.norm!r}")
         images, labels = load(o.data, "train", root)
         order = torch.randperm(len(labels), generator=generator(0, 0, "moco-dev-split"))
         dev, rest = order[: o.dev_size].sort().values, order[o.dev_size :].sort().values
@@ -289,9 +284,7 @@ class MoCo(Experiment):
 
     def norms(self, splits: int):
         """The encoder's normalisation layers, `norm(channels)`: BatchNorm over `splits` groups of a
-        training batch, or GroupNorm (options.norm)."""
-        if self.options.norm == "group":
-            return lambda channels: nn.GroupNorm(max(1, channels // 8), channels)
+        training batch."""
         return partial(SplitBatchNorm2d, splits=splits)
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
