@@ -35,11 +35,11 @@ def ranks(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
 
 
 def retrieval_ranks(
-    queries: torch.Tensor, pool: torch.Tensor, positive: torch.Tensor, block_size: int | None = None
+    queries: torch.Tensor, pool: torch.Tensor, positive: torch.Tensor
 ) -> torch.Tensor:
-    """`ranks(queries @ pool.T, positive)`, `block_size` queries at a time (default: about
-    BLOCK_ELEMENTS scores): queries [Q, D], pool [N, D] (unit rows: cosines), positive [Q] the
-    matches' pool rows. `ranks` checks each block; the whole `positive` is one per query."""
+    """`ranks(queries @ pool.T, positive)`, a block of queries at a time (about BLOCK_ELEMENTS
+    scores): queries [Q, D], pool [N, D] (unit rows: cosines), positive [Q] the matches' pool
+    rows. `ranks` checks each block; the whole `positive` is one per query."""
     require(
         queries.dim() == pool.dim() == 2 and queries.shape[1] == pool.shape[1],
         f"need queries [Q, D] and pool [N, D] of the same width, got {tuple(queries.shape)}, "
@@ -49,9 +49,8 @@ def retrieval_ranks(
     require(len(pool) > 0, "the pool is empty")
     one_each = len(positive) == len(queries)
     require(one_each, f"positive must hold one entry per query ({len(queries)})")
-    size = max(1, BLOCK_ELEMENTS // len(pool)) if block_size is None else block_size
-    require(int(size) == size >= 1, f"block_size must be a positive integer, got {block_size!r}")
-    blocks = [slice(i, i + int(size)) for i in range(0, len(queries), int(size))]
+    size = max(1, BLOCK_ELEMENTS // len(pool))
+    blocks = [slice(i, i + size) for i in range(0, len(queries), size)]
     return torch.cat([ranks(queries[b] @ pool.T, positive[b]) for b in blocks])
 
 
@@ -110,7 +109,6 @@ def knn_predict(
     bank_labels: torch.Tensor,
     k: int = 200,
     temperature: float = 0.1,
-    block_size: int | None = None,
 ) -> torch.Tensor:
     """The class of each of `features` [Q, D] by a weighted kNN vote over `bank` [N, D]: the k most
     cosine-similar bank rows (ties: lower index first) each add exp(cos/temperature) to their class
@@ -125,7 +123,7 @@ def knn_predict(
     require(1 <= k <= len(bank), f"k must lie in 1..{len(bank)} (the bank's rows), got {k}")
     features, bank = F.normalize(features, dim=1), F.normalize(bank, dim=1)
     classes = int(bank_labels.max()) + 1
-    block_size = block_size or BLOCK_ELEMENTS // len(bank) or 1
+    block_size = BLOCK_ELEMENTS // len(bank) or 1
     predicted = []
     for start in range(0, len(features), block_size):
         scores = features[start : start + block_size] @ bank.T

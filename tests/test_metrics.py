@@ -5,6 +5,7 @@ import pytest
 import scipy.stats
 import torch
 
+from gcbs_lib import metrics
 from gcbs_lib.metrics import (
     knn_predict,
     median_rank,
@@ -68,7 +69,7 @@ def test_mrr_matches_unixcoder_loop_on_distinct_scores():
     assert mrr(ranks(scores, positive), cutoff=cutoff) == pytest.approx(np.mean(reference))
 
 
-def test_retrieval_ranks_equal_ranks_of_the_full_matrix_for_every_block_size():
+def test_retrieval_ranks_equal_ranks_of_the_full_matrix_for_every_block_size(monkeypatch):
     g = torch.Generator().manual_seed(1)
     # small integers: exact dot products, ties
     queries = torch.randint(-2, 3, (13, 4), generator=g).double()
@@ -76,8 +77,9 @@ def test_retrieval_ranks_equal_ranks_of_the_full_matrix_for_every_block_size():
     positive = torch.randint(0, 29, (13,), generator=g)
     full = ranks(queries @ pool.T, positive)
     assert (full > 1).any()
-    for block_size in (1, 4, 13, 100, None):
-        assert torch.equal(retrieval_ranks(queries, pool, positive, block_size=block_size), full)
+    for block_size in (1, 4, 13, 100):
+        monkeypatch.setattr(metrics, "BLOCK_ELEMENTS", block_size * len(pool))
+        assert torch.equal(retrieval_ranks(queries, pool, positive), full)
 
 
 def test_retrieval_ranks_count_a_pool_duplicate_of_the_match_above_it():
@@ -100,12 +102,6 @@ def test_retrieval_ranks_count_a_pool_duplicate_of_the_match_above_it():
         (
             lambda: retrieval_ranks(torch.rand(2, 3), torch.rand(4, 5), torch.tensor([0, 1])),
             "same width",
-        ),
-        (
-            lambda: retrieval_ranks(
-                torch.rand(2, 3), torch.rand(4, 3), torch.tensor([0, 1]), block_size=0
-            ),
-            "block",
         ),
         (lambda: mrr([]), "non-empty"),
         (lambda: mrr([0, 1]), ">= 1"),
@@ -180,16 +176,16 @@ def test_knn_ties_take_the_lower_bank_index_then_the_smaller_class():
     assert knn_label([1.0, 0.0], bank, labels, k=3) == 1
 
 
-def test_knn_predict_votes_block_by_block_as_at_once():
+def test_knn_predict_votes_block_by_block_as_at_once(monkeypatch):
     torch.manual_seed(0)
     bank = torch.randn(50, 8)
     bank_labels = torch.randint(0, 3, (50,))
     queries = bank[:20] + 0.01 * torch.randn(20, 8)
     whole = knn_predict(queries, bank, bank_labels, k=1)
     assert whole.equal(bank_labels[:20])
-    assert knn_predict(queries, bank, bank_labels, k=5, block_size=3).equal(
-        knn_predict(queries, bank, bank_labels, k=5)
-    )
+    at_once = knn_predict(queries, bank, bank_labels, k=5)
+    monkeypatch.setattr(metrics, "BLOCK_ELEMENTS", 3 * len(bank))  # 3 queries a block
+    assert knn_predict(queries, bank, bank_labels, k=5).equal(at_once)
     with pytest.raises(ValueError, match="k must lie in 1..50"):
         knn_predict(queries, bank, bank_labels, k=51)
 
