@@ -285,12 +285,14 @@ def test_a_page_without_the_markers_of_a_generated_table_is_refused(tmp_path):
             update_pages([page], tmp_path / "results")
 
 
-def test_the_headline_table_shows_each_comparison_on_its_primary_metric_only():
+def test_the_headline_table_shows_each_experiments_first_gcbs_comparison_on_its_primary_metric():
     """The primary metric is the test score of the experiment's dev metric (code search: MRR);
-    a line without a verdict, or on another metric, stays in the full table only."""
+    a line without a verdict, on another metric, of another arm (a control of notebook 09) or of a
+    later comparison of the same experiment stays in the full table only."""
     line = build_table([row("random", 0, 0.5), row("gcbs", 0, 0.6)])[0]
     judged = line._replace(verdict="GCBS better", best=(0.05, 0.15))
     others = [judged._replace(metric="test_recall"), judged._replace(verdict="")]
+    others += [judged._replace(arm="gcbs+mask"), judged._replace(delta=0.2)]
     assert results.headline([judged, *others]).splitlines()[2:] == [
         "| codesearch | test_mrr | +0.1 [+0.05, +0.15] | GCBS better | +0.0100 / +0.0200 / +0.0220 "
         "(CosQA / AdvTest / CodeSearchNet, UniXcoder) |"
