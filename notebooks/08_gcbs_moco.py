@@ -302,7 +302,7 @@ plot_comparison(batch_summaries, arms, "knn_accuracy", [line, batch_line], title
 # promises, not what it is for: from the second epoch on its batches' loss gap is far below random's, yet the
 # kNN vote is no better. A likely reason is in the other diagnostic: GCBS's batches hold more same-class pairs
 # (about a quarter against a tenth), so more of the negatives it pushes apart are images of the query's own
-# class; the `mask_same_group` and `gcbs_prune_groups` controls are how to test it. With MoCo's queue the random
+# class; notebook 09 tests it with the `mask_same_group` and `gcbs_prune_groups` controls. With MoCo's queue the random
 # arm stays at raw pixels (−0.004 [−0.036, +0.029]), so that comparison reads *not measurable here* too.
 
 # %% [markdown]

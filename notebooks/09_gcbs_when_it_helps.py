@@ -71,8 +71,8 @@ from gcbs_lib.comparison import (
 from gcbs_lib.experiments import get
 from gcbs_lib.gcbs import consecutive_batches, gcbs_permutation, same_group_pairs
 from gcbs_lib.losses import info_nce
-from gcbs_lib.results import COMMITTED
-from gcbs_lib.rows import read_outputs
+from gcbs_lib.results import COMMITTED, build_table
+from gcbs_lib.rows import read_outputs, read_rows
 from gcbs_lib.train import load_config
 
 settings = {**overrides, "device": device, "data": data}
@@ -287,13 +287,28 @@ plt.show()
 # Computed here from `results/09_gcbs_when_it_helps.cpu.json` and its per-item outputs (the full table with
 # every interval and the gate's reasons is in `docs/results.md`).
 
-# %%
+# %% tags=["figure:committed-deltas-and-interaction"]
 committed_file = COMMITTED / "09_gcbs_when_it_helps.cpu.json"
+committed = {}  # name: (Δ, best-dev interval, last step's Δ and interval)
 if committed_file.exists():
     committed_records = read_outputs(committed_file)
-    for checkpoint in ("best", "last"):
-        value, low, high = interaction(committed_records, checkpoint)
-        print(f"committed I at {checkpoint}: {value:+.4f} [{low:+.4f}, {high:+.4f}]")
+    table = build_table(read_rows(committed_file), "", committed_records)
+    for line in table:
+        if line.metric == "test_knn_accuracy":
+            committed[line.arm] = (line.delta, line.best, line.last_delta, line.last)
+            print(f"{line.arm:>13}: Δ {line.delta:+.4f} {line.best}: {line.verdict}")
+    best, last = (interaction(committed_records, checkpoint) for checkpoint in ("best", "last"))
+    committed["I"] = (best[0], best[1:], last[0], last[1:])
+    print(f"interaction I: best dev {best[0]:+.4f} {best[1:]}, last step {last[0]:+.4f} {last[1:]}")
+    _, axis = plt.subplots(figsize=(6, 3.2))
+    for y, (delta, bounds, last_delta, last_bounds) in enumerate(committed.values()):
+        axis.errorbar(delta, y - 0.1, xerr=[[delta - bounds[0]], [bounds[1] - delta]], fmt="ok")
+        last_error = [[last_delta - last_bounds[0]], [last_bounds[1] - last_delta]]
+        axis.errorbar(last_delta, y + 0.1, xerr=last_error, fmt="s", color="C1")
+    axis.axvline(0, color="grey", lw=0.8)
+    axis.set_yticks(range(len(committed)), list(committed))
+    axis.set(xlabel="Δ vs random, and I (95 %; black: best dev, orange: last step)")
+    plt.show()
 else:
     print("no committed cpu run yet: python -m gcbs_lib.reproduce --profile cpu --only 09")
 
