@@ -315,8 +315,9 @@ def headline(lines: list[TableLine]) -> str:
     ]
     shown = set()
     for line in lines:
-        primary = line.metric == "test_" + experiments.get(line.experiment).dev_metric
-        if line.verdict and primary and line.arm == "gcbs" and line.experiment not in shown:
+        if not line.verdict or line.arm != "gcbs" or line.experiment in shown:
+            continue
+        if line.metric == "test_" + experiments.get(line.experiment).dev_metric:
             shown.add(line.experiment)
             delta = delta_text(line.delta, line.best or (line.low, line.high), "", line.random.mean)
             cells = (line.experiment, line.metric, delta, line.verdict, paper_text(line.paper))
