@@ -279,13 +279,9 @@ class MoCo(Experiment):
             world == 1 or o.bn_splits >= 2 * world,
             f"on {world} ranks bn_splits must be at least {2 * world} (2 groups a rank)",
         )
-        self.model = MoCoModel(self.train.shape[1], o, self.views, self.norms(o.bn_splits // world))
+        norm = partial(SplitBatchNorm2d, splits=o.bn_splits // world)  # this rank's groups
+        self.model = MoCoModel(self.train.shape[1], o, self.views, norm)
         return self.model
-
-    def norms(self, splits: int):
-        """The encoder's normalisation layers, `norm(channels)`: BatchNorm over `splits` groups of a
-        training batch."""
-        return partial(SplitBatchNorm2d, splits=splits)
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.key]
@@ -351,7 +347,8 @@ class SimCLR(MoCo):
     def build_model(self) -> nn.Module:
         require(rank_and_world_size()[1] == 1, "simclr runs in one process (BatchNorm is per rank)")
         # its loss needs no queue
-        return MoCoModel(self.train.shape[1], self.options, self.views, self.norms(1))
+        norm = partial(SplitBatchNorm2d, splits=1)  # BatchNorm over each view's whole batch
+        return MoCoModel(self.train.shape[1], self.options, self.views, norm)
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.query]
