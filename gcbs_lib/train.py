@@ -74,6 +74,9 @@ class TrainConfig:
     mine_skip: int = 3  # mining: top ranks skipped as likely false negatives
     embed_batch_size: int = 256
     log_loss_gap: bool = True  # log the loss gap of each epoch's planned batches
+    # the loss gap from a sample of the epoch's batches and this many reference items (the random
+    # arm embeds only those), alike for every arm; None, or at least N: exact (all embedded)
+    diagnostic_sample: int | None = None
     one_per_group: bool = False  # each epoch: one item per `TrainSet.groups`, drawn afresh
     # in-batch negatives of the anchor's group (`TrainSet.groups`, else the duplicate keys) leave
     # the InfoNCE denominators: the supervised oracle for false negatives
@@ -91,7 +94,7 @@ class TrainConfig:
     def __post_init__(self):
         positive = (
             "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr clip_norm"
-            " scale max_scale gcbs_neighbours collective_timeout"
+            " scale max_scale gcbs_neighbours collective_timeout diagnostic_sample"
         ).split()
         wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
@@ -415,11 +418,19 @@ class Trainer:
         start = time.perf_counter()
         items = self._items(self.epoch)
         z1 = z2 = None
+        # a random order needs no embeddings: with a diagnostic sample, it is drawn first and
+        # only the sample is embedded (every rank draws both alike)
+        planned = None
+        sample = None
+        if config.sampler == "random" and config.log_loss_gap and config.diagnostic_sample:
+            planned = self._sample(None, None, items)
+            sample = self._diagnostic_sample(planned[0]["batches"], len(items))
 
         # GCBS on several ranks: each scans its rows of S for the graph, rank 0 orders it
         shared = config.sampler == "gcbs" and self.world_size > 1
         if config.sampler != "random" or config.log_loss_gap:  # one embedding serves both
-            share = items.tensor_split(self.world_size)[self.rank]
+            embedded_items = items if sample is None else items[sample[0]]
+            share = embedded_items.tensor_split(self.world_size)[self.rank]
             embed = partial(self._in_eval_mode, self.experiment.pair_embeddings)
             pairs = [embed(part) for part in share.split(config.embed_batch_size)]
             to_main = not shared
@@ -432,18 +443,15 @@ class Trainer:
 
         plan = [None]
         if self.main:
-            positions, diagnostics = self._sample(z1, z2, items, graph)  # rows of z1, z2
+            positions, diagnostics = planned or self._sample(z1, z2, items, graph)  # rows of z1, z2
             plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
             record.update(embed_seconds=embedded - start, sampler_seconds=sampled - embedded)
 
             if config.log_loss_gap:
-                rows = positions["batches"].reshape(-1)
-                tau = 1 / self._scale()
-                record["loss_gap"] = gcbs.loss_gap(
-                    z1[rows], z2[rows], torch.arange(len(rows)), config.batch_size, tau
-                )
+                batches = positions["batches"]
+                record["loss_gap"] = self._loss_gap(z1, z2, batches, len(items), sample)
 
             groups = self._groups(items)
             if groups is not None:
@@ -459,6 +467,45 @@ class Trainer:
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
         return plan[0]
+
+    def _diagnostic_sample(self, batches: torch.Tensor, n: int) -> tuple | None:
+        """What the diagnostics of an epoch of n items planned into `batches` measure: None (all)
+        unless `diagnostic_sample` < n; else, as positions in the epoch's items, those of m =
+        diagnostic_sample // B (at least 1) of the batches, then a reference sample R: the first
+        diagnostic_sample items of a uniform permutation of them all that the other batches hold;
+        and how many are the chosen batches'. Drawn by seed and epoch alone: every arm draws the
+        same batch numbers and the same permutation."""
+        size = self.config.diagnostic_sample
+        if size is None or size >= n:
+            return None
+
+        draw = seeding.generator(self.config.seed, self.epoch, "diagnostic-sample")
+        count = max(1, size // self.config.batch_size)
+        chosen = torch.randperm(len(batches), generator=draw)[:count]
+        rows = batches[chosen].reshape(-1)
+        permutation = torch.randperm(n, generator=draw)
+        # R: a uniform sample of the planned items outside the chosen batches (theirs count exactly)
+        outside = torch.isin(permutation, batches) & ~torch.isin(permutation, rows)
+        reference = permutation[outside][:size]
+        return torch.cat([rows, reference]), len(rows)
+
+    def _loss_gap(self, z1, z2, batches: torch.Tensor, n: int, embedded_sample=None) -> float:
+        """L^Global − L^Train of the epoch's planned `batches` (of its n items; z1, z2: all theirs,
+        or only those of `embedded_sample` where the random arm embedded just that): exact, or
+        over the `_diagnostic_sample`'s batches, the other batches' items estimated from R."""
+        sample = embedded_sample or self._diagnostic_sample(batches, n)
+        positions, measured = sample or (batches.reshape(-1), batches.numel())
+        if embedded_sample is None:  # z1, z2 hold every item
+            z1 = z1[positions]
+            z2 = z2[positions]
+
+        reference = None  # R, standing for the other batches' items (none: all are measured)
+        if len(z2) > measured:
+            reference = (z2[measured:], batches.numel() - measured)
+        order = torch.arange(measured)
+        tau = 1 / self._scale()
+        batch_size = self.config.batch_size
+        return gcbs.loss_gap(z1[:measured], z2[:measured], order, batch_size, tau, reference)
 
     def _items(self, epoch: int) -> torch.Tensor:
         """The items of `epoch`: all of the training set, or one per group drawn afresh."""

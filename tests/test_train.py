@@ -20,13 +20,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from test_gcbs import pairs
 
 import gcbs_lib.check
 import gcbs_lib.train
 from gcbs_lib import distributed
 from gcbs_lib.data import write_atomic
 from gcbs_lib.experiments.codesearch import CodeSearch
-from gcbs_lib.gcbs import consecutive_batches, published_permutation
+from gcbs_lib.gcbs import consecutive_batches, loss_gap, published_permutation
 from gcbs_lib.launcher import LaunchError, launch
 from gcbs_lib.losses import info_nce
 from gcbs_lib.seeding import generator
@@ -504,6 +505,81 @@ def test_one_item_per_group_is_what_each_epoch_embeds_plans_trains_on_and_measur
     assert measured == [full, full]
     epochs = records(tmp_path, "epoch")
     assert [r["same_group_pairs"] for r in epochs] == [0.0, 0.0]
+
+
+def test_a_diagnostic_sample_of_at_least_the_epoch_logs_the_exact_loss_gap(tmp_path, data_root):
+    """192 planted pairs: a sample of 192 items or more is the whole epoch, measured exactly."""
+    gaps = []
+    for size in ("none", 192, 1000):
+        (tmp_path / str(size)).mkdir()
+        config = load_config("codesearch", "ci", settings(data_root, diagnostic_sample=size))
+        trainer = Trainer(config, tmp_path / str(size))
+        trainer._plan_epoch()
+        gaps += [r["loss_gap"] for r in records(tmp_path / str(size), "epoch")]
+    assert gaps[0] == gaps[1] == gaps[2] > 0
+
+
+def test_the_random_arm_embeds_only_the_diagnostic_sample_drawn_alike_for_every_arm(
+    tmp_path, data_root, monkeypatch
+):
+    """192 items, B = 16, diagnostic_sample 48: the items of 3 of the 12 planned batches and 48
+    reference items outside them. The GCBS arm embeds all 192 (to plan); both draw the same batch
+    numbers and reference items from the same batches, drawn afresh the next epoch."""
+    trainers = {}
+    plans = {}
+    embedded = {"random": [], "gcbs": []}
+    for sampler, seen in embedded.items():
+        (tmp_path / sampler).mkdir()
+        overrides = settings(data_root, sampler=sampler, diagnostic_sample=48)
+        trainer = Trainer(load_config("codesearch", "ci", overrides), tmp_path / sampler)
+        trainers[sampler] = trainer
+        embed = trainer.experiment.pair_embeddings
+
+        def embedding(model, items, seen=seen, embed=embed):
+            seen.extend(items.tolist())
+            return embed(model, items)
+
+        monkeypatch.setattr(trainer.experiment, "pair_embeddings", embedding)
+        plans[sampler] = trainer._plan_epoch()
+        assert records(tmp_path / sampler, "epoch")[0]["loss_gap"] > 0
+
+    batches = plans["random"]["batches"]
+    positions, measured = trainers["random"]._diagnostic_sample(batches, 192)
+    assert measured == 48 and len(positions) == 96
+    assert [len(seen) for seen in embedded.values()] == [96, 192]
+    assert sorted(embedded["random"]) == sorted(positions.tolist())
+    in_batches = [row.tolist() in batches.tolist() for row in positions[:48].view(3, 16)]
+    assert all(in_batches) and not set(positions[48:].tolist()) & set(positions[:48].tolist())
+    assert torch.equal(positions, trainers["gcbs"]._diagnostic_sample(batches, 192)[0])
+    trainers["gcbs"].epoch = 1
+    assert not torch.equal(positions, trainers["gcbs"]._diagnostic_sample(batches, 192)[0])
+
+
+@pytest.mark.parametrize("sampler", ["random", "gcbs"])
+def test_the_sampled_loss_gap_is_near_the_exact_one_on_planted_clusters(
+    tmp_path, data_root, sampler
+):
+    """4,096 planted pairs around 256 centres, B = 32, τ = 0.05, diagnostic_sample 1,024 (32 of the
+    128 batches, 1,024 reference items). Measured over these 20 draws (epochs 0-19): the estimate
+    erred by at most 7.2 % of the exact gap (0.356; mean error −0.009: the log of a sampled sum
+    runs low) on random batches, 6.8 % (of 0.263; mean −0.003) on the published GCBS order.
+    Allowed: 12 %."""
+    z1, z2 = pairs(4096, 32, clusters=256)
+    order = torch.randperm(4096, generator=generator(0, 0, "test"))
+    if sampler == "gcbs":
+        order = published_permutation(z1, z2, 0.99)
+    batches = consecutive_batches(order, 32)
+    items = batches.flatten()
+    config = load_config(
+        "codesearch", "ci", settings(data_root, batch_size=32, diagnostic_sample=1024)
+    )
+    trainer = Trainer(config, tmp_path)
+    exact = loss_gap(z1[items], z2[items], torch.arange(len(items)), 32, 1 / trainer._scale())
+    errors = []
+    for epoch in range(20):
+        trainer.epoch = epoch
+        errors.append(trainer._loss_gap(z1, z2, batches, 4096) - exact)
+    assert max(map(abs, errors)) <= 0.12 * exact
 
 
 def test_mask_same_group_hands_the_loss_each_documents_source_module(tmp_path, data_root):
