@@ -399,15 +399,14 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float, reference=None)
         columns = torch.cat([u2, sample])
         log_weights = columns.new_zeros(len(columns))
         log_weights[n:] = math.log(count / len(sample))
-    # the sampled columns are in no batch
-    column_batch = torch.cat([batch_of, batch_of.new_full((len(columns) - n,), -1)])
     total = u1.new_zeros(())
     rows = max(1, _block_elements(u1.device) // len(columns))
 
     # summed on the device: one host sync
     for start in range(0, n, rows):
         logits = u1[start : start + rows] @ columns.T / temperature + log_weights
-        outside = batch_of[start : start + rows, None] != column_batch[None, :]
-        inside = logits.masked_fill(outside, -math.inf).logsumexp(1)
+        # the in-batch term: over the batches' own columns (the sampled ones are in no batch)
+        outside = batch_of[start : start + rows, None] != batch_of[None, :]
+        inside = logits[:, :n].masked_fill(outside, -math.inf).logsumexp(1)
         total += (logits.logsumexp(1) - inside).sum()
     return total.item() / n
