@@ -86,13 +86,8 @@ def _blocks(u1: torch.Tensor, u2: torch.Tensor, keep_diagonal: bool = False, mul
 
 def _at_least(block: torch.Tensor, bound: float) -> tuple[np.ndarray, np.ndarray]:
     """Flat row-major indices and values (numpy arrays) of the block's entries ≥ bound (float32)."""
-    if block.is_cuda:
-        flat = (block.view(-1) >= bound).nonzero().squeeze(1)
-        return flat.cpu().numpy(), block.view(-1)[flat].cpu().numpy()
-
-    values = block.numpy().ravel()
-    flat = np.flatnonzero(values >= bound)
-    return flat, values[flat]
+    flat = (block.view(-1) >= bound).nonzero().squeeze(1)
+    return flat.cpu().numpy(), block.view(-1)[flat].cpu().numpy()
 
 
 def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
@@ -107,9 +102,7 @@ def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
 
     # twice the entries expected above the keep-th largest, and a margin for small samples
     k = min(r * (n - 1), 2 * math.ceil(keep * r / n) + 64)
-    return float(
-        sample.topk(k).values[-1] if sample.is_cuda else np.partition(sample.numpy(), -k)[-k]
-    )
+    return float(sample.topk(k).values[-1])
 
 
 def _candidates(
