@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -35,7 +36,8 @@ from gcbs_lib.rows import DIAGNOSTICS, current_commit, result_row, write_rows
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 STATE = ("step", "epoch", "position", "plan", "best")  # where a run is, beside its tensors
 RESUMABLE = set(
-    "checkpoint_every eval_every progress device sync_check_every collective_timeout".split()
+    "checkpoint_every eval_every progress device sync_check_every collective_timeout"
+    " loader_workers".split()
 )
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -89,6 +91,9 @@ class TrainConfig:
     # collective_timeout, $GCBS_COLLECTIVE_TIMEOUT or 1800)
     collective_timeout: float | None = None
     progress: bool = True
+    # processes that collate the epoch's batches ahead of the step (0: the training process);
+    # on a GPU the batches are pinned and copied without blocking
+    loader_workers: int = 0
     options: Any = None  # the experiment's Options (filled by `load_config`)
 
     def __post_init__(self):
@@ -373,20 +378,19 @@ class Trainer:
             self._evaluate_dev()
 
         shown = config.progress and self.main
+        batches = None  # the epoch's batches from `position` on
         for _ in tqdm(range(self.step, self.total_steps), disable=not shown):
             if self.plan is None or self.position == self.steps_per_epoch:  # a new epoch
                 self.epoch, self.position = self.epoch + (self.plan is not None), 0
                 self.plan = self._plan_epoch()
+                batches = None
+            if batches is None:
+                batches = iter(self._loader())
 
             # reseeded at each step, so a resumed run draws the masks an unbroken one would
             dropout = f"dropout/rank{self.rank}/step{self.step}"
             torch.manual_seed(seeding.stream_seed(config.seed, self.epoch, dropout))
-            # this rank's items (and their negatives)
-            rows = [
-                None if part is None else part[self.position, self.rows].tolist()
-                for part in self.plan.values()
-            ]
-            record = self._train_step(self._collate(*rows))
+            record = self._train_step(next(batches))
             self.step, self.position = self.step + 1, self.position + 1
             self.run.log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
 
@@ -559,6 +563,28 @@ class Trainer:
         top = dict(top_k=config.mine_top_k, skip=config.mine_skip)
         negatives = mining.mine_hard_negatives(z1, z2, batches, keys=keys, generator=rng, **top)
         return {"batches": batches, "negatives": negatives}, diagnostics
+
+    def _loader(self) -> DataLoader:
+        """This rank's batches of the epoch's plan from `position` on, collated in `loader_workers`
+        forked processes ahead of the step (or in this one), pinned on a GPU."""
+
+        def collate(position: int) -> experiments.Batch:
+            # this rank's items (and their negatives)
+            rows = [
+                None if part is None else part[position, self.rows].tolist()
+                for part in self.plan.values()
+            ]
+            return self._collate(*rows)
+
+        workers = self.config.loader_workers
+        return DataLoader(
+            range(self.position, self.steps_per_epoch),
+            batch_size=None,  # each position is one planned batch
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=self.device.type == "cuda",
+            multiprocessing_context="fork" if workers else None,
+        )
 
     def _collate(self, indices: list[int], negatives: list[int] | None) -> experiments.Batch:
         """The experiment's batch; with `mask_same_group`, `extra["groups"]` holds the group id of

@@ -712,6 +712,24 @@ def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_parameters_of_an_uninterr
     )
 
 
+def test_batches_collated_by_worker_processes_train_bitwise_the_model_collated_in_process(
+    tmp_path, data_root
+):
+    """The loader's workers collate the plan's batches ahead of the step; the batches, so the
+    losses and the trained parameters, are those of collating in the training process."""
+    for workers in (0, 2):
+        overrides = settings(
+            data_root, sampler="gcbs", mask_same_group=True, loader_workers=workers
+        )
+        train(load_config("codesearch", "ci", overrides), tmp_path / f"workers{workers}")
+    in_process, by_workers = (tmp_path / f"workers{w}" for w in (0, 2))
+    assert [r["loss"] for r in records(in_process)] == [r["loss"] for r in records(by_workers)]
+    a, b = (
+        load_checkpoint(folder / "checkpoint.pt")["model"] for folder in (in_process, by_workers)
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_rerun_of_a_finished_run_says_it_reuses_it_returns_its_summary_and_logs_nothing_more(
     tmp_path, data_root, capsys
 ):
