@@ -758,6 +758,11 @@ def main(argv: list[str] | None = None) -> None:
     add("--sampler", choices=get_args(get_type_hints(TrainConfig)["sampler"]))
     add("--print-config", action="store_true", help="print the settings as YAML")
     add(
+        "--prepare-data",
+        action="store_true",
+        help="build the data in one process (before torchrun)",
+    )
+    add(
         "--set",
         dest="overrides",
         action="append",
@@ -776,6 +781,12 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(arguments.experiment, arguments.profile, overrides)
         if arguments.print_config:
             print(yaml.safe_dump(asdict(config), sort_keys=False), end="")
+            return
+        if arguments.prepare_data:
+            experiment = experiments.get(config.experiment)(
+                config.options, seed=config.seed, device="cpu"
+            )
+            print(f"{experiment.load_data().size} training items ready")
             return
 
         # Without --output-dir, one folder per run under ./runs, named by what tells runs apart.
