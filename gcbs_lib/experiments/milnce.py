@@ -153,11 +153,9 @@ class MilNce(Experiment):
             _positions(gather_with_grad(batch.extra[k]), captions)
             for k in ("bag_ids", "exclude_ids")
         )
-        all_video = gather_with_grad(video)
-        all_text = gather_ragged(text)
         losses = mil_nce(
-            all_video,
-            all_text[first],
+            gather_with_grad(video),
+            gather_ragged(text)[first],
             bags,
             1 / (scale() if callable(scale) else scale),
             self.options.direction,
