@@ -292,12 +292,12 @@ class Trainer:
 
         n = self.train_set.size  # items an epoch
         # each item's group as a number: TrainSet.groups (class, video, module), else duplicate keys
-        named = self.train_set.groups or self.train_set.duplicate_keys
+        groups = self.train_set.groups  # a list, or an integer array (MIL-NCE's video numbers)
+        named = self.train_set.duplicate_keys if groups is None else groups
         self.group_codes = None
         if named is not None:
             self.group_codes = torch.from_numpy(np.unique(named, return_inverse=True)[1].ravel())
         if config.one_per_group:  # as MIL-NCE's loader draws one clip of each video
-            groups = self.train_set.groups
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
             n = int(self.group_codes.max()) + 1
 

@@ -29,7 +29,7 @@ class TrainSet(NamedTuple):
 
     size: int
     duplicate_keys: Sequence[Hashable] | None = None
-    groups: Sequence[Hashable] | None = None
+    groups: Sequence[Hashable] | None = None  # a list, or an integer array
 
 
 # Per-item outputs of an evaluation, {task: {array: a value per item}}: "predicted" and "gold"

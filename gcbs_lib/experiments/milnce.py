@@ -119,7 +119,8 @@ class MilNce(Experiment):
         self.tokenize = HashingTokenizer(o.vocab_size, o.max_words)
         self.bags = howto100m.open_arrays(folder / "train")
         self.eval_sets = {split: howto100m.open_arrays(folder / split) for split in ("dev", "test")}
-        return TrainSet(len(self.bags["clip_video"]), groups=self.bags["clip_video"].tolist())
+        # the clips' video numbers as they are mapped: no Python list of 82M clips on every rank
+        return TrainSet(len(self.bags["clip_video"]), groups=self.bags["clip_video"])
 
     def build_model(self) -> nn.Module:
         o, width = self.options, howto100m.features_of(self.store, self.bags, np.arange(1)).shape[1]
