@@ -388,6 +388,7 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float, reference=None)
     log_weights = 0.0
     if reference is not None:  # sampled columns, each standing for count / len(r2) items
         sample, count = reference
+        require(len(sample) and count > 0, "reference: a sample of rows and a count above 0")
         sample = unit_rows(sample, sample, torch.float64)[0]
         columns = torch.cat([u2, sample])
         log_weights = columns.new_zeros(len(columns))

@@ -103,6 +103,9 @@ class TrainConfig:
         ).split()
         wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
+        require(
+            self.loader_workers >= 0, f"loader_workers must be 0 or more: {self.loader_workers}"
+        )
 
 
 def _typed(key: str, value: Any, kind: Any) -> Any:
@@ -381,9 +384,9 @@ class Trainer:
         batches = None  # the epoch's batches from `position` on
         for _ in tqdm(range(self.step, self.total_steps), disable=not shown):
             if self.plan is None or self.position == self.steps_per_epoch:  # a new epoch
+                batches = None  # the last epoch's workers end before the next plan
                 self.epoch, self.position = self.epoch + (self.plan is not None), 0
                 self.plan = self._plan_epoch()
-                batches = None
             if batches is None:
                 batches = iter(self._loader())
 
@@ -402,6 +405,7 @@ class Trainer:
             if self.step % config.checkpoint_every == 0 or done:
                 self.run.save(self.stateful, {key: getattr(self, key) for key in STATE})
 
+        del batches  # its workers end before the test scoring
         return self._summary() if self.main else None
 
     def _evaluate_dev(self) -> None:
@@ -426,9 +430,10 @@ class Trainer:
         # only the sample is embedded (every rank draws both alike)
         planned = None
         sample = None
-        if config.sampler == "random" and config.log_loss_gap and config.diagnostic_sample:
+        sampled = config.diagnostic_sample is not None and config.diagnostic_sample < len(items)
+        if config.sampler == "random" and config.log_loss_gap and sampled:
             planned = self._sample(None, None, items)
-            sample = self._diagnostic_sample(planned[0]["batches"], len(items))
+            sample = self._diagnostic_sample(planned[0]["batches"])
 
         # GCBS on several ranks: each scans its rows of S for the graph, rank 0 orders it
         shared = config.sampler == "gcbs" and self.world_size > 1
@@ -447,15 +452,16 @@ class Trainer:
 
         plan = [None]
         if self.main:
-            positions, diagnostics = planned or self._sample(z1, z2, items, graph)  # rows of z1, z2
+            if planned is None:
+                planned = self._sample(z1, z2, items, graph)
+            positions, diagnostics = planned  # rows of z1, z2
             plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
             record.update(embed_seconds=embedded - start, sampler_seconds=sampled - embedded)
 
             if config.log_loss_gap:
-                batches = positions["batches"]
-                record["loss_gap"] = self._loss_gap(z1, z2, batches, len(items), sample)
+                record["loss_gap"] = self._loss_gap(z1, z2, positions["batches"], sample)
 
             groups = self._groups(items)
             if groups is not None:
@@ -472,36 +478,34 @@ class Trainer:
             dist.broadcast_object_list(plan, src=0)
         return plan[0]
 
-    def _diagnostic_sample(self, batches: torch.Tensor, n: int) -> tuple | None:
-        """What the diagnostics of an epoch of n items planned into `batches` measure: None (all)
-        unless `diagnostic_sample` < n; else, as positions in the epoch's items, those of m =
-        diagnostic_sample // B (at least 1) of the batches, then a reference sample R: the first
-        diagnostic_sample items of a uniform permutation of them all that the other batches hold;
-        and how many are the chosen batches'. Drawn by seed and epoch alone: every arm draws the
-        same batch numbers and the same permutation."""
+    def _diagnostic_sample(self, batches: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The items the loss gap of the planned `batches` measures, as positions in the epoch's
+        items, and how many of them are batches' measured in full: every planned item, unless
+        `diagnostic_sample` is smaller; then the items of m = diagnostic_sample // B (at least 1)
+        batches, then a reference sample R of diagnostic_sample items of the other batches. Drawn
+        by seed and epoch alone: every arm draws the same batch numbers and places in the rest."""
         size = self.config.diagnostic_sample
-        if size is None or size >= n:
-            return None
+        if size is None or size >= batches.numel():
+            return batches.reshape(-1), batches.numel()
 
         draw = seeding.generator(self.config.seed, self.epoch, "diagnostic-sample")
+        shuffled = batches[torch.randperm(len(batches), generator=draw)]
         count = max(1, size // self.config.batch_size)
-        chosen = torch.randperm(len(batches), generator=draw)[:count]
-        rows = batches[chosen].reshape(-1)
-        permutation = torch.randperm(n, generator=draw)
-        # R: a uniform sample of the planned items outside the chosen batches (theirs count exactly)
-        outside = torch.isin(permutation, batches) & ~torch.isin(permutation, rows)
-        reference = permutation[outside][:size]
-        return torch.cat([rows, reference]), len(rows)
+        measured = shuffled[:count].reshape(-1)
+        rest = shuffled[count:].reshape(-1)
+        reference = rest[torch.randperm(len(rest), generator=draw)[:size]]
+        return torch.cat([measured, reference]), len(measured)
 
-    def _loss_gap(self, z1, z2, batches: torch.Tensor, n: int, embedded_sample=None) -> float:
-        """L^Global − L^Train of the epoch's planned `batches` (of its n items; z1, z2: all theirs,
-        or only those of `embedded_sample` where the random arm embedded just that): exact, or
-        over the `_diagnostic_sample`'s batches, the other batches' items estimated from R."""
-        sample = embedded_sample or self._diagnostic_sample(batches, n)
-        positions, measured = sample or (batches.reshape(-1), batches.numel())
-        if embedded_sample is None:  # z1, z2 hold every item
-            z1 = z1[positions]
-            z2 = z2[positions]
+    def _loss_gap(self, z1, z2, batches: torch.Tensor, embedded=None) -> float:
+        """L^Global − L^Train of the epoch's planned `batches`: exact, or over the batches of the
+        `_diagnostic_sample`, the other batches' items estimated from R. z1, z2: every item's, or
+        only those of the sample `embedded` where the random arm embedded just that."""
+        sample = embedded
+        if sample is None:  # z1, z2 hold every item
+            sample = self._diagnostic_sample(batches)
+            z1 = z1[sample[0]]
+            z2 = z2[sample[0]]
+        measured = sample[1]
 
         reference = None  # R, standing for the other batches' items (none: all are measured)
         if len(z2) > measured:

@@ -1,7 +1,7 @@
 """The prepared GPU check (issue 18): ten checks of the kit on one device, one markdown table,
 exit 1 on a failure.
 
-    .venv/bin/python tools/gpu_check.py                        # a lent GPU, a few minutes (≤ 8)
+    .venv/bin/python tools/gpu_check.py                        # a lent GPU, a few minutes (≤ 10)
     .venv/bin/python tools/gpu_check.py --device cpu --quick   # the same checks, CPU-sized
 
 dropout: GradCache's dropout replay against one full graph, fp32 and fp64; bf16: the same under bf16
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -486,10 +486,10 @@ def check_ddp(args) -> list:
 
 def check_trainer(args) -> list:
     """The trainer on the device's backend, `sampler=gcbs`: the ci code-search run in float64
-    without dropout on 2 ranks (NCCL needs 2 GPUs; on one it runs 1 rank) with the loader's
-    workers and a sync check every step (the ranks must agree bitwise, else the run stops),
-    against one process at the same global batch: the losses agree to rounding (tests/test_train's
-    1e-9 on the CPU; on CUDA 1e-6, for nondeterministic kernels)."""
+    without dropout on 2 ranks (NCCL needs 2 GPUs; on one it runs 1 rank) with two loader workers
+    (pinned batches, copies that do not block) and a sync check every step (ranks that differ stop
+    the run), against one process collating in itself at the same global batch: the losses agree
+    to rounding (tests/test_train's 1e-9 on the CPU; on CUDA 1e-6, for nondeterministic kernels)."""
     backend = "nccl" if args.device == "cuda" else "gloo"
     ranks = 2 if args.device == "cpu" or torch.cuda.device_count() > 1 else 1
     settings = {
@@ -504,21 +504,22 @@ def check_trainer(args) -> list:
     }
     with tempfile.TemporaryDirectory(prefix="gpu-check-trainer-") as tmp:
         config = load_config("codesearch", "ci", settings)
-        train(config, Path(tmp, "one"))
+        train(replace(config, loader_workers=0), Path(tmp, "one"))
         launched = {"config": asdict(config), "output_dir": str(Path(tmp, "ranks"))}
         launch("gcbs_lib.train:launched", nproc=ranks, backend=backend, args=launched, echo=False)
         losses = []
         for name in ("one", "ranks"):
             lines = Path(tmp, name, "metrics.jsonl").read_text().splitlines()
             losses.append([r["loss"] for r in map(json.loads, lines) if r["kind"] == "step"])
-    error = max(abs(a - b) / abs(b) for a, b in zip(*losses))
+    error = max((abs(a - b) / abs(b) for a, b in zip(*losses)), default=math.inf)
     limit = 1e-9 if args.device == "cpu" else 1e-6
+    synced = "ranks in sync, " if ranks > 1 else ""
     return [
         (
             f"trainer, {backend}, {ranks} rank(s), sampler gcbs, 2 loader workers = 1 process",
             "pass" if len(losses[1]) == 4 and error <= limit else "FAIL",
-            f"4 steps, ranks in sync; loss rel. err {error:.1e}",
-            f"≤ {limit:g}",
+            f"{len(losses[1])} of 4 steps, {synced}loss rel. err {error:.1e}",
+            f"4 steps, ≤ {limit:g}",
         )
     ]
 

@@ -113,8 +113,8 @@ class MilNce(Experiment):
             if o.source in scripts:
                 ensure_built(self.root, *scripts[o.source])
             build_once(folder, settings, partial(write_splits, o, self.root))
-        if world_size > 1:  # a stand-in's build: minutes (gloo: no GPU needed to wait)
-            dist.barrier(dist.new_group(backend="gloo"))
+        if world_size > 1:  # a stand-in's build: minutes, under the collective timeout
+            dist.barrier()
         self.store = howto100m.FeatureStore(self.root)
         self.tokenize = HashingTokenizer(o.vocab_size, o.max_words)
         self.bags = howto100m.open_arrays(folder / "train")
