@@ -102,7 +102,10 @@ def _sample_bound(u1: torch.Tensor, u2: torch.Tensor, keep: int) -> float:
 
     # twice the entries expected above the keep-th largest, and a margin for small samples
     k = min(r * (n - 1), 2 * math.ceil(keep * r / n) + 64)
-    return float(sample.topk(k).values[-1])
+    # numpy's partition on the CPU: torch's topk there copies the sample into 16-byte pairs
+    return float(
+        sample.topk(k).values[-1] if sample.is_cuda else np.partition(sample.numpy(), -k)[-k]
+    )
 
 
 def _candidates(

@@ -564,10 +564,11 @@ def test_the_sampled_loss_gap_is_near_the_exact_one_on_planted_clusters(
     tmp_path, data_root, sampler
 ):
     """4,096 planted pairs around 256 centres, B = 32, τ = 0.05, diagnostic_sample 1,024 (32 of the
-    128 batches, 1,024 reference items). Measured over these 20 draws (epochs 0-19): the estimate
-    erred by at most 7.2 % of the exact gap (0.356; mean error −0.009: the log of a sampled sum
-    runs low) on random batches, 6.8 % (of 0.263; mean −0.003) on the published GCBS order.
-    Allowed: 12 %."""
+    128 batches, 1,024 reference items). Measured over 200 draws (epochs 0-199): the estimate
+    erred by 2.3 % of the exact gap at the median, 6.2 % at the 95th percentile and 7.5 % at most
+    on random batches (exact 0.356); 3.2 %, 9.9 % and 15.0 % on the published GCBS order (0.263).
+    Over these 20 draws the mean error is −0.010 and −0.004 (the log of a sampled sum runs low).
+    Allowed: 20 % at most, a mean within 0.02 nats."""
     z1, z2 = pairs(4096, 32, clusters=256)
     order = torch.randperm(4096, generator=generator(0, 0, "test"))
     if sampler == "gcbs":
@@ -583,7 +584,7 @@ def test_the_sampled_loss_gap_is_near_the_exact_one_on_planted_clusters(
     for epoch in range(20):
         trainer.epoch = epoch
         errors.append(trainer._loss_gap(z1, z2, batches) - exact)
-    assert max(map(abs, errors)) <= 0.12 * exact
+    assert max(map(abs, errors)) <= 0.2 * exact and abs(sum(errors) / len(errors)) <= 0.02
 
 
 def test_mask_same_group_hands_the_loss_each_documents_source_module(tmp_path, data_root):
