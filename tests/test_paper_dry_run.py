@@ -334,7 +334,7 @@ def test_ranks_that_find_howto100m_bags_unbuilt_stop_at_once_naming_the_one_proc
     assert not (howto100m / "bags-k2").exists()  # stopped before any build
 
     train.main(["--experiment", "milnce", "--profile", "paper", *sets, "--prepare-data"])
-    assert capsys.readouterr().out == "36 training items ready\n"
+    assert capsys.readouterr().out == "324 training items ready\n"  # 36 videos × 9 clips
     assert (howto100m / "bags-k2" / "manifest.json").is_file()
 
 
