@@ -77,7 +77,7 @@ bench: $(STAMP)  ## run the bench/ scripts (about an hour on 2 cores; installs b
 	$(BIN)/python bench/bench_shared_planning.py
 	$(BIN)/python bench/report.py
 
-gpu-check: $(STAMP)  ## on a lent GPU: dropout and bf16 replay, GCBS on CUDA vs CPU, bf16/fp16 steps, fp16 gradients, resume, nccl, DDP (≤ 10 min); ARGS="--device cpu --quick"
+gpu-check: $(STAMP)  ## on a lent GPU: dropout and bf16 replay, GCBS on CUDA vs CPU, bf16/fp16 steps, fp16 gradients, fp32/fp16 resume, nccl, DDP, the trainer on 2 ranks (≤ 10 min); ARGS="--device cpu --quick"
 	$(BIN)/python tools/gpu_check.py $(ARGS)
 
 clean:  ## remove the virtual environment and run outputs

@@ -72,26 +72,34 @@ def run_arms(
     return summaries
 
 
+def score_start(config, output_dir, baseline=False) -> tuple[dict, list]:
+    """The untrained model's test rows and outputs (what training is measured against) as
+    `("start", seed)` and, if `baseline` and the experiment has one, the trivial scorer's as
+    `("baseline-<name>", seed)`: the summaries, and a line for each."""
+    trainer = Trainer(replace(config, sampler="random", arm="start"), output_dir)
+    rows, outputs = trainer.score()
+    summaries = {("start", config.seed): {"rows": rows, "outputs": {"best": outputs}}}
+    lines = [f"start seed {config.seed}: untrained, test {scores_text(rows)}"]
+    trivial = trainer.experiment.baseline() if baseline else None
+    if trivial is not None:
+        name, outputs = trivial
+        scored = trainer.result_rows(trainer.experiment.scores(outputs), "test_")
+        rows = [{**row, "arm": f"baseline-{name}"} for row in scored]
+        summaries[f"baseline-{name}", config.seed] = {"rows": rows, "outputs": {"best": outputs}}
+        lines.append(f"trivial baseline {name}: test {scores_text(rows)}")
+    return summaries, lines
+
+
 def run_arm(config, output_dir, start=False, baseline=False, *, nproc=1, backend="gloo") -> tuple:
     """`train` in this process, or on `nproc` ranks of `backend` by torchrun (rank 0's summary comes
-    back); before it, if `start`, the untrained model's test rows and outputs (what training is
-    measured against) as `("start", seed)` and, if also `baseline` and the experiment has one, the
-    trivial scorer's as `("baseline-<name>", seed)`. Returns the summaries and a line for each."""
+    back); before it, if `start`, `score_start` (for ranks, in a process of its own: this one then
+    holds no GPU that the ranks use). Returns the summaries and a line for each."""
     summaries, lines = {}, []
-    arm, seed = config.arm or config.sampler, config.seed
-
-    if start:
-        trainer = Trainer(replace(config, sampler="random", arm="start"), output_dir)
-        rows, outputs = trainer.score()
-        summaries["start", seed] = {"rows": rows, "outputs": {"best": outputs}}
-        lines.append(f"start seed {seed}: untrained, test {scores_text(rows)}")
-        trivial = trainer.experiment.baseline() if baseline else None
-        if trivial is not None:
-            name, outputs = trivial
-            scored = trainer.result_rows(trainer.experiment.scores(outputs), "test_")
-            rows = [{**row, "arm": f"baseline-{name}"} for row in scored]
-            summaries[f"baseline-{name}", seed] = {"rows": rows, "outputs": {"best": outputs}}
-            lines.append(f"trivial baseline {name}: test {scores_text(rows)}")
+    if start and nproc == 1:
+        summaries, lines = score_start(config, output_dir, baseline)
+    elif start:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            summaries, lines = pool.submit(score_start, config, output_dir, baseline).result()
 
     if nproc == 1:
         summary = train(config, output_dir)
@@ -100,9 +108,10 @@ def run_arm(config, output_dir, start=False, baseline=False, *, nproc=1, backend
         ranks = dict(nproc=nproc, backend=backend, timeout=config.collective_timeout)
         summary = launch("gcbs_lib.train:launched", echo=False, args=args, **ranks)
 
-    summaries[arm, seed] = summary
+    arm = config.arm or config.sampler
+    summaries[arm, config.seed] = summary
     steps = f"{summary['steps']} steps, best dev at step {summary['best_step']}"
-    lines.append(f"{arm} seed {seed}: {steps}, test {scores_text(summary['rows'])}")
+    lines.append(f"{arm} seed {config.seed}: {steps}, test {scores_text(summary['rows'])}")
     return summaries, lines
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -35,7 +36,8 @@ from gcbs_lib.rows import DIAGNOSTICS, current_commit, result_row, write_rows
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 STATE = ("step", "epoch", "position", "plan", "best")  # where a run is, beside its tensors
 RESUMABLE = set(
-    "checkpoint_every eval_every progress device sync_check_every collective_timeout".split()
+    "checkpoint_every eval_every progress device sync_check_every collective_timeout"
+    " loader_workers".split()
 )
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,6 +76,9 @@ class TrainConfig:
     mine_skip: int = 3  # mining: top ranks skipped as likely false negatives
     embed_batch_size: int = 256
     log_loss_gap: bool = True  # log the loss gap of each epoch's planned batches
+    # the loss gap from a sample of the epoch's batches and this many reference items (the random
+    # arm embeds only those), alike for every arm; None, or at least N: exact (all embedded)
+    diagnostic_sample: int | None = None
     one_per_group: bool = False  # each epoch: one item per `TrainSet.groups`, drawn afresh
     # in-batch negatives of the anchor's group (`TrainSet.groups`, else the duplicate keys) leave
     # the InfoNCE denominators: the supervised oracle for false negatives
@@ -86,15 +91,21 @@ class TrainConfig:
     # collective_timeout, $GCBS_COLLECTIVE_TIMEOUT or 1800)
     collective_timeout: float | None = None
     progress: bool = True
+    # processes that collate the epoch's batches ahead of the step (0: the training process);
+    # on a GPU the batches are pinned and copied without blocking
+    loader_workers: int = 0
     options: Any = None  # the experiment's Options (filled by `load_config`)
 
     def __post_init__(self):
         positive = (
             "batch_size epochs embed_batch_size checkpoint_every chunk_size max_steps lr clip_norm"
-            " scale max_scale gcbs_neighbours collective_timeout"
+            " scale max_scale gcbs_neighbours collective_timeout diagnostic_sample"
         ).split()
         wrong = [k for k in positive if getattr(self, k) is not None and not getattr(self, k) > 0]
         require(not wrong, f"{', '.join(wrong)} must be positive")
+        require(
+            self.loader_workers >= 0, f"loader_workers must be 0 or more: {self.loader_workers}"
+        )
 
 
 def _typed(key: str, value: Any, kind: Any) -> Any:
@@ -284,12 +295,12 @@ class Trainer:
 
         n = self.train_set.size  # items an epoch
         # each item's group as a number: TrainSet.groups (class, video, module), else duplicate keys
-        named = self.train_set.groups or self.train_set.duplicate_keys
+        groups = self.train_set.groups  # a list, or an integer array (MIL-NCE's video numbers)
+        named = self.train_set.duplicate_keys if groups is None else groups
         self.group_codes = None
         if named is not None:
             self.group_codes = torch.from_numpy(np.unique(named, return_inverse=True)[1].ravel())
         if config.one_per_group:  # as MIL-NCE's loader draws one clip of each video
-            groups = self.train_set.groups
             require(groups is not None, f"one_per_group: {config.experiment} names no groups")
             n = int(self.group_codes.max()) + 1
 
@@ -370,20 +381,19 @@ class Trainer:
             self._evaluate_dev()
 
         shown = config.progress and self.main
+        batches = None  # the epoch's batches from `position` on
         for _ in tqdm(range(self.step, self.total_steps), disable=not shown):
             if self.plan is None or self.position == self.steps_per_epoch:  # a new epoch
+                batches = None  # the last epoch's workers end before the next plan
                 self.epoch, self.position = self.epoch + (self.plan is not None), 0
                 self.plan = self._plan_epoch()
+            if batches is None:
+                batches = iter(self._loader())
 
             # reseeded at each step, so a resumed run draws the masks an unbroken one would
             dropout = f"dropout/rank{self.rank}/step{self.step}"
             torch.manual_seed(seeding.stream_seed(config.seed, self.epoch, dropout))
-            # this rank's items (and their negatives)
-            rows = [
-                None if part is None else part[self.position, self.rows].tolist()
-                for part in self.plan.values()
-            ]
-            record = self._train_step(self._collate(*rows))
+            record = self._train_step(next(batches))
             self.step, self.position = self.step + 1, self.position + 1
             self.run.log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
 
@@ -395,6 +405,7 @@ class Trainer:
             if self.step % config.checkpoint_every == 0 or done:
                 self.run.save(self.stateful, {key: getattr(self, key) for key in STATE})
 
+        del batches  # its workers end before the test scoring
         return self._summary() if self.main else None
 
     def _evaluate_dev(self) -> None:
@@ -415,11 +426,20 @@ class Trainer:
         start = time.perf_counter()
         items = self._items(self.epoch)
         z1 = z2 = None
+        # a random order needs no embeddings: with a diagnostic sample, it is drawn first and
+        # only the sample is embedded (every rank draws both alike)
+        planned = None
+        sample = None
+        sampled = config.diagnostic_sample is not None and config.diagnostic_sample < len(items)
+        if config.sampler == "random" and config.log_loss_gap and sampled:
+            planned = self._sample(None, None, items)
+            sample = self._diagnostic_sample(planned[0]["batches"])
 
         # GCBS on several ranks: each scans its rows of S for the graph, rank 0 orders it
         shared = config.sampler == "gcbs" and self.world_size > 1
         if config.sampler != "random" or config.log_loss_gap:  # one embedding serves both
-            share = items.tensor_split(self.world_size)[self.rank]
+            embedded_items = items if sample is None else items[sample[0]]
+            share = embedded_items.tensor_split(self.world_size)[self.rank]
             embed = partial(self._in_eval_mode, self.experiment.pair_embeddings)
             pairs = [embed(part) for part in share.split(config.embed_batch_size)]
             to_main = not shared
@@ -432,18 +452,16 @@ class Trainer:
 
         plan = [None]
         if self.main:
-            positions, diagnostics = self._sample(z1, z2, items, graph)  # rows of z1, z2
+            if planned is None:
+                planned = self._sample(z1, z2, items, graph)
+            positions, diagnostics = planned  # rows of z1, z2
             plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
             record.update(embed_seconds=embedded - start, sampler_seconds=sampled - embedded)
 
             if config.log_loss_gap:
-                rows = positions["batches"].reshape(-1)
-                tau = 1 / self._scale()
-                record["loss_gap"] = gcbs.loss_gap(
-                    z1[rows], z2[rows], torch.arange(len(rows)), config.batch_size, tau
-                )
+                record["loss_gap"] = self._loss_gap(z1, z2, positions["batches"], sample)
 
             groups = self._groups(items)
             if groups is not None:
@@ -459,6 +477,43 @@ class Trainer:
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
         return plan[0]
+
+    def _diagnostic_sample(self, batches: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The items the loss gap of the planned `batches` measures, as positions in the epoch's
+        items, and how many of them are batches' measured in full: every planned item, unless
+        `diagnostic_sample` is smaller; then the items of m = diagnostic_sample // B (at least 1)
+        batches, then a reference sample R of diagnostic_sample items of the other batches. Drawn
+        by seed and epoch alone: every arm draws the same batch numbers and places in the rest."""
+        size = self.config.diagnostic_sample
+        if size is None or size >= batches.numel():
+            return batches.reshape(-1), batches.numel()
+
+        draw = seeding.generator(self.config.seed, self.epoch, "diagnostic-sample")
+        shuffled = batches[torch.randperm(len(batches), generator=draw)]
+        count = max(1, size // self.config.batch_size)
+        measured = shuffled[:count].reshape(-1)
+        rest = shuffled[count:].reshape(-1)
+        reference = rest[torch.randperm(len(rest), generator=draw)[:size]]
+        return torch.cat([measured, reference]), len(measured)
+
+    def _loss_gap(self, z1, z2, batches: torch.Tensor, embedded=None) -> float:
+        """L^Global − L^Train of the epoch's planned `batches`: exact, or over the batches of the
+        `_diagnostic_sample`, the other batches' items estimated from R. z1, z2: every item's, or
+        only those of the sample `embedded` where the random arm embedded just that."""
+        sample = embedded
+        if sample is None:  # z1, z2 hold every item
+            sample = self._diagnostic_sample(batches)
+            z1 = z1[sample[0]]
+            z2 = z2[sample[0]]
+        measured = sample[1]
+
+        reference = None  # R, standing for the other batches' items (none: all are measured)
+        if len(z2) > measured:
+            reference = (z2[measured:], batches.numel() - measured)
+        order = torch.arange(measured)
+        tau = 1 / self._scale()
+        batch_size = self.config.batch_size
+        return gcbs.loss_gap(z1[:measured], z2[:measured], order, batch_size, tau, reference)
 
     def _items(self, epoch: int) -> torch.Tensor:
         """The items of `epoch`: all of the training set, or one per group drawn afresh."""
@@ -512,6 +567,28 @@ class Trainer:
         top = dict(top_k=config.mine_top_k, skip=config.mine_skip)
         negatives = mining.mine_hard_negatives(z1, z2, batches, keys=keys, generator=rng, **top)
         return {"batches": batches, "negatives": negatives}, diagnostics
+
+    def _loader(self) -> DataLoader:
+        """This rank's batches of the epoch's plan from `position` on, collated in `loader_workers`
+        forked processes ahead of the step (or in this one), pinned on a GPU."""
+
+        def collate(position: int) -> experiments.Batch:
+            # this rank's items (and their negatives)
+            rows = [
+                None if part is None else part[position, self.rows].tolist()
+                for part in self.plan.values()
+            ]
+            return self._collate(*rows)
+
+        workers = self.config.loader_workers
+        return DataLoader(
+            range(self.position, self.steps_per_epoch),
+            batch_size=None,  # each position is one planned batch
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=self.device.type == "cuda",
+            multiprocessing_context="fork" if workers else None,
+        )
 
     def _collate(self, indices: list[int], negatives: list[int] | None) -> experiments.Batch:
         """The experiment's batch; with `mask_same_group`, `extra["groups"]` holds the group id of
@@ -685,6 +762,11 @@ def main(argv: list[str] | None = None) -> None:
     add("--sampler", choices=get_args(get_type_hints(TrainConfig)["sampler"]))
     add("--print-config", action="store_true", help="print the settings as YAML")
     add(
+        "--prepare-data",
+        action="store_true",
+        help="build the data in one process (before torchrun)",
+    )
+    add(
         "--set",
         dest="overrides",
         action="append",
@@ -703,6 +785,12 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(arguments.experiment, arguments.profile, overrides)
         if arguments.print_config:
             print(yaml.safe_dump(asdict(config), sort_keys=False), end="")
+            return
+        if arguments.prepare_data:
+            experiment = experiments.get(config.experiment)(
+                config.options, seed=config.seed, device="cpu"
+            )
+            print(f"{experiment.load_data().size} training items ready")
             return
 
         # Without --output-dir, one folder per run under ./runs, named by what tells runs apart.

@@ -92,7 +92,7 @@ print(
     f"{n_clips} training clips in {n_videos} videos under {experiment.root.name}: an epoch of "
     f"{n_videos} clips; {len(experiment.eval_sets['test']['clip_video'])} test queries"
 )
-videos = torch.as_tensor(train_set.groups)
+videos = torch.tensor(train_set.groups)  # a copy of the mapped array
 drawn = seeding.one_per_group(videos, seeding.generator(seed, 0, "one-per-group"))
 one_each = sorted(videos[drawn].tolist()) == sorted(set(train_set.groups))
 print(f"epoch 0 draws {len(drawn)} clips, one of each video: {one_each}")

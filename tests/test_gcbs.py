@@ -473,6 +473,23 @@ def test_loss_gap_of_planned_batches_is_the_gap_over_their_items(monkeypatch):
     )
 
 
+def test_loss_gap_with_a_reference_sample_estimates_the_rest_of_the_epoch_from_it():
+    """3 batches of 20 of 210 items: L^Global of their items sums the other 150 items exactly when
+    the reference is all of them; a reference of 50 of them counts each 150 / 50 times."""
+    z1, z2 = pairs(210, 8, clusters=6)
+    logits = F.normalize(z1.double(), dim=1) @ F.normalize(z2.double(), dim=1).T / TAU
+    batches = torch.arange(60).view(3, 20)
+    in_batch = torch.cat([logits[b][:, b].logsumexp(1) for b in batches])
+    everything = logits[:60].logsumexp(1)
+    weighted = torch.cat([logits[:60, :60], logits[:60, 60:110] + np.log(3)], 1).logsumexp(1)
+
+    measured = (z1[:60], z2[:60], torch.arange(60), 20, TAU)
+    exact = loss_gap(*measured, reference=(z2[60:], 150))
+    assert exact == pytest.approx(float((everything - in_batch).mean()), rel=1e-12)
+    estimate = loss_gap(*measured, reference=(z2[60:110], 150))
+    assert estimate == pytest.approx(float((weighted - in_batch).mean()), rel=1e-12)
+
+
 def test_loss_gap_sums_its_blocks_on_the_device_to_the_float64_sum_of_the_blocks(monkeypatch):
     """Bitwise the sum, in Python floats, of each block's float64 sum (the value before the sum
     moved onto the device), in one block and in blocks of 7 rows."""

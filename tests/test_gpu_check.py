@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_check_runs_its_cheap_checks_on_the_cpu():
-    checks = ["dropout", "bf16", "gcbs", "precision", "gradients", "nccl", "ddp"]
+    checks = ["dropout", "bf16", "gcbs", "precision", "gradients", "nccl", "ddp", "trainer"]
     done = subprocess.run(
         [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick", "--only", *checks],
         cwd=REPO,
@@ -33,5 +33,6 @@ def test_the_gpu_check_runs_its_cheap_checks_on_the_cpu():
         "trainer",  # through GradCache
         "gloo,",  # the nccl check's stand-in on a CPU
         "gloo,",  # notebook 07's gradient check on 2 ranks
+        "trainer,",  # sampler gcbs on 2 ranks with the loader's workers, against one process
     ]
     assert all(line.split(" | ")[1] in ("pass", "info") for line in table[1:])

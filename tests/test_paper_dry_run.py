@@ -19,6 +19,7 @@ from conftest import planted_pair
 
 from gcbs_lib import reproduce, train
 from gcbs_lib.data.sts import STS_YEARS
+from gcbs_lib.experiments import milnce
 from gcbs_lib.rows import read_rows
 
 # plain vocabulary entries in UniXcoder
@@ -318,6 +319,23 @@ def test_milnce_paper_profile_runs_on_howto100m_features(howto100m, tmp_path, ca
         capsys,
         monkeypatch,
     )
+
+
+def test_ranks_that_find_howto100m_bags_unbuilt_stop_at_once_naming_the_one_process_build(
+    howto100m, tmp_path, capsys, monkeypatch
+):
+    sets = ["--set", f"data_dir={howto100m}", "--set", "bag_size=2"]
+    config = train.load_config("milnce", "paper", {"data_dir": str(howto100m), "bag_size": 2})
+    experiment = milnce.MilNce(config.options, seed=0, device="cpu")
+    with monkeypatch.context() as patch:
+        patch.setattr(milnce, "rank_and_world_size", lambda: (0, 2))  # rank 0 of a torchrun job
+        with pytest.raises(ValueError, match="bags-k2 holds no bags .* --prepare-data"):
+            experiment.load_data()
+    assert not (howto100m / "bags-k2").exists()  # stopped before any build
+
+    train.main(["--experiment", "milnce", "--profile", "paper", *sets, "--prepare-data"])
+    assert capsys.readouterr().out == "324 training items ready\n"  # 36 videos × 9 clips
+    assert (howto100m / "bags-k2" / "manifest.json").is_file()
 
 
 def test_moco_paper_profile_runs_on_cifar10_batches(paper_root, tmp_path, capsys, monkeypatch):

@@ -1,7 +1,7 @@
-"""The prepared GPU check (issue 18): nine checks of the kit on one device, one markdown table,
+"""The prepared GPU check (issue 18): ten checks of the kit on one device, one markdown table,
 exit 1 on a failure.
 
-    .venv/bin/python tools/gpu_check.py                        # a lent GPU, a few minutes (≤ 8)
+    .venv/bin/python tools/gpu_check.py                        # a lent GPU, a few minutes (≤ 10)
     .venv/bin/python tools/gpu_check.py --device cpu --quick   # the same checks, CPU-sized
 
 dropout: GradCache's dropout replay against one full graph, fp32 and fp64; bf16: the same under bf16
@@ -11,7 +11,8 @@ autocast and fp16 autocast with its GradScaler, against the same steps in fp32; 
 gradients an fp16 step's optimizer takes (unscaled, clipped), plain and through GradCache, against
 float64; resume: a training run killed after a checkpoint and rerun ends with the uninterrupted
 run's model; minilm: notebook 04's recipe (UniXcoder lengths, batch 64) with the packaged MiniLM on
-the stand-in; nccl: an
+the stand-in; trainer: the trainer with `sampler=gcbs` and the loader's workers on 2 ranks of the
+device's backend against one process; nccl: an
 all_reduce on one rank (gloo on the CPU); ddp: notebook 07's gradient check (DDP heads through
 GradCache, the loss over embeddings gathered from every rank) on 2 ranks of the device's backend
 (NCCL needs 2 GPUs; on one it runs 1 rank), against one process. Result "note": not bitwise, within
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -46,7 +47,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from bench_gcbs import embedded_pairs, floor_pass  # noqa: E402  (bench/ is not a package: GCBS's data and floor)
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("dropout", "bf16", "gcbs", "precision", "gradients", "resume", "minilm", "nccl", "ddp")
+CHECKS = (
+    "dropout",
+    "bf16",
+    "gcbs",
+    "precision",
+    "gradients",
+    "resume",
+    "minilm",
+    "nccl",
+    "ddp",
+    "trainer",
+)
 
 
 def replay_gradients(device: str, dtype: torch.dtype, autocast: bool = False) -> tuple[list, list]:
@@ -120,38 +132,67 @@ def timed(function, device: str) -> float:
     return time.perf_counter() - start
 
 
+# N of the CPU reference of GCBS's order: 0.6 GB of host memory (bench_gcbs --peak-rss), so it
+# fits a one-GPU box; the device's time and rank 0's planning peak are measured at PLANNING_N
+REFERENCE_N = 40_000
+PLANNING_N = 200_000
+
+
 def check_gcbs(args) -> list:
-    n, device = 5_000 if args.quick else 100_000, args.device
+    n, device = 5_000 if args.quick else REFERENCE_N, args.device
     z1, z2 = embedded_pairs(n, 256, clustered=True)
     d1, d2 = z1.to(device), z2.to(device)
     gcbs.published_permutation(d1[:2000], d2[:2000])  # warm-up: kernels, handles
-    on_device = []
-    seconds = timed(lambda: on_device.append(gcbs.published_permutation(d1, d2)), device)
+    on_device = gcbs.published_permutation(d1, d2)
     on_cpu = gcbs.published_permutation(z1, z2)
-    floor = min(timed(lambda: floor_pass(d1, d2), device) for _ in range(2))
-    differ = (on_device[0] != on_cpu).double().mean().item()
+    differ = (on_device != on_cpu).double().mean().item()
     if differ == 0:
         equal = ("pass", "equal permutations")
     # a similarity at the threshold rounded the other way moves RCM's order: compare what the orders
     # achieve
     else:
-        gaps = [gcbs.loss_gap(d1, d2, order, 64, 0.05) for order in (on_device[0], on_cpu)]
+        gaps = [gcbs.loss_gap(d1, d2, order, 64, 0.05) for order in (on_device, on_cpu)]
         close = abs(gaps[0] - gaps[1]) <= 0.01 * abs(gaps[1])
         equal = (
             "note" if close else "FAIL",
             f"{differ:.1%} of positions differ; loss gap {gaps[0]:.4f} vs {gaps[1]:.4f}",
         )
-    # reported, not judged: the graph and RCM run on the CPU whatever the device
-    ratio = seconds / floor
-    return [
-        (f"GCBS N = {n:,}, d = 256: {device} = cpu", *equal, "equal, else loss gaps within 1 %"),
-        (
-            f"GCBS time on {device} / one matmul pass over S",
-            "info",
-            f"{seconds:.2f} s / {floor:.3f} s = {ratio:.1f}×",
-            "reported (graph and RCM run on the CPU)",
-        ),
+    rows = [
+        (f"GCBS N = {n:,}, d = 256: {device} = cpu", *equal, "equal, else loss gaps within 1 %")
     ]
+    return rows + planning_rows(args)
+
+
+def planning_rows(args) -> list:
+    """Reported, not judged: the published order's time on the device against one matmul pass
+    over S (the graph and RCM run on the CPU whatever the device), and on CUDA the peak of device
+    memory it adds, rank 0's planning peak at that N."""
+    n, device = 5_000 if args.quick else PLANNING_N, args.device
+    d1, d2 = (z.to(device) for z in embedded_pairs(n, 256, clustered=True))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated() if device == "cuda" else 0
+    seconds = timed(lambda: gcbs.published_permutation(d1, d2), device)
+    peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if device == "cuda" else 0.0
+    floor = min(timed(lambda: floor_pass(d1, d2), device) for _ in range(2))
+    rows = [
+        (
+            f"GCBS N = {n:,}: time on {device} / one matmul pass over S",
+            "info",
+            f"{seconds:.2f} s / {floor:.3f} s = {seconds / floor:.1f}×",
+            "reported (graph and RCM run on the CPU)",
+        )
+    ]
+    if device == "cuda":
+        rows.append(
+            (
+                f"GCBS N = {n:,}, d = 256: planning peak on the GPU",
+                "info",
+                f"{peak:.2f} GiB",
+                "reported",
+            )
+        )
+    return rows
 
 
 def check_precision(args) -> list:
@@ -277,7 +318,13 @@ def train_run(output_dir: Path, profile: str, settings: list[str], popen: bool =
 
 
 def check_resume(args) -> list:
+    """In fp32 and in fp16 (its GradScaler's state restored too)."""
+    return [row for precision in ("fp32", "fp16") for row in resumed(args, precision)]
+
+
+def resumed(args, precision: str) -> list:
     settings = [f"device={args.device}", "max_steps=6", "checkpoint_every=2", "progress=false"]
+    settings.append(f"precision={precision}")
     with tempfile.TemporaryDirectory(prefix="gpu-check-resume-") as tmp:
         whole, cut = Path(tmp, "whole"), Path(tmp, "cut")
         train_run(whole, "ci", settings)
@@ -294,7 +341,7 @@ def check_resume(args) -> list:
         if killed_at not in (2, 4):
             return [
                 (
-                    "resume after SIGKILL",
+                    f"resume after SIGKILL, {precision}",
                     "FAIL",
                     f"not killed after step 2 or 4 (checkpoint step {killed_at})",
                     "bitwise",
@@ -308,7 +355,7 @@ def check_resume(args) -> list:
     )
     pairs = [(ends[0]["model"][k], ends[1]["model"][k]) for k in ends[0]["model"]]
     diff = max((a.double() - b.double()).abs().max().item() for a, b in pairs)
-    name = f"resume after SIGKILL at step {killed_at} of 6: model = uninterrupted"
+    name = f"resume after SIGKILL at step {killed_at} of 6, {precision}: model = uninterrupted"
     if all(torch.equal(a, b) for a, b in pairs):
         return [(name, "pass", "bitwise", "bitwise")]
     if args.device == "cuda" and diff <= 1e-5:
@@ -433,6 +480,46 @@ def check_ddp(args) -> list:
             "pass" if within else "FAIL",
             f"rel. err {error:.1e}, rank difference {ranked['rank_difference']:g}",
             "≤ 1e-12, 0",
+        )
+    ]
+
+
+def check_trainer(args) -> list:
+    """The trainer on the device's backend, `sampler=gcbs`: the ci code-search run in float64
+    without dropout on 2 ranks (NCCL needs 2 GPUs; on one it runs 1 rank) with two loader workers
+    (pinned batches, copies that do not block) and a sync check every step (ranks that differ stop
+    the run), against one process collating in itself at the same global batch: the losses agree
+    to rounding (tests/test_train's 1e-9 on the CPU; on CUDA 1e-6, for nondeterministic kernels)."""
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    ranks = 2 if args.device == "cpu" or torch.cuda.device_count() > 1 else 1
+    settings = {
+        "device": args.device,
+        "sampler": "gcbs",
+        "max_steps": 4,
+        "dtype": "float64",
+        "dropout": 0.0,
+        "loader_workers": 2,
+        "sync_check_every": 1,
+        "progress": False,
+    }
+    with tempfile.TemporaryDirectory(prefix="gpu-check-trainer-") as tmp:
+        config = load_config("codesearch", "ci", settings)
+        train(replace(config, loader_workers=0), Path(tmp, "one"))
+        launched = {"config": asdict(config), "output_dir": str(Path(tmp, "ranks"))}
+        launch("gcbs_lib.train:launched", nproc=ranks, backend=backend, args=launched, echo=False)
+        losses = []
+        for name in ("one", "ranks"):
+            lines = Path(tmp, name, "metrics.jsonl").read_text().splitlines()
+            losses.append([r["loss"] for r in map(json.loads, lines) if r["kind"] == "step"])
+    error = max((abs(a - b) / abs(b) for a, b in zip(*losses)), default=math.inf)
+    limit = 1e-9 if args.device == "cpu" else 1e-6
+    synced = "ranks in sync, " if ranks > 1 else ""
+    return [
+        (
+            f"trainer, {backend}, {ranks} rank(s), sampler gcbs, 2 loader workers = 1 process",
+            "pass" if len(losses[1]) == 4 and error <= limit else "FAIL",
+            f"{len(losses[1])} of 4 steps, {synced}loss rel. err {error:.1e}",
+            f"4 steps, ≤ {limit:g}",
         )
     ]
 

@@ -29,7 +29,7 @@ class TrainSet(NamedTuple):
 
     size: int
     duplicate_keys: Sequence[Hashable] | None = None
-    groups: Sequence[Hashable] | None = None
+    groups: Sequence[Hashable] | None = None  # a list, or an integer array
 
 
 # Per-item outputs of an evaluation, {task: {array: a value per item}}: "predicted" and "gold"
@@ -140,12 +140,13 @@ def embed_in_batches(model: nn.Module, batches: Iterable, device) -> torch.Tenso
 
 
 def to_device(value, device):
-    """Every tensor in `value` (and in its dicts, lists, tuples) moved to `device`."""
+    """Every tensor in `value` (and in its dicts, lists, tuples) moved to `device`, without
+    blocking the host (a copy from pinned memory then overlaps what runs before it)."""
     if isinstance(value, (list, tuple)):
         return type(value)(to_device(v, device) for v in value)
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
 def get(name: str) -> type:

@@ -6,7 +6,6 @@ the paper evaluates on YouCook2 and MSR-VTT instead)."""
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Literal, Sequence
@@ -19,7 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gcbs_lib import distributed
-from gcbs_lib.data import build_once, data_root, ensure_built, howto100m, read_json
+from gcbs_lib.check import require
+from gcbs_lib.data import build_once, built, data_root, ensure_built, howto100m, read_json
 from gcbs_lib.distributed import gather_ragged, gather_with_grad, rank_and_world_size
 from gcbs_lib.experiments import Batch, Experiment, Outputs, TrainSet, embed_in_batches, to_device
 from gcbs_lib.gradcache import cached_loss
@@ -29,8 +29,6 @@ from gcbs_lib.models import PAD_ID, HashingTokenizer, text_encoder
 from gcbs_lib.seeding import fixed_subset, generator, stream_seed
 
 NAMES = {"python-doc": "python3.11-doc-sections", "howto100m": "paper"}  # planted: planted-sigma<σ>
-# the other ranks wait this long for rank 0's build of the bags (not the collective timeout)
-BUILD_TIMEOUT = timedelta(hours=12)
 
 
 class SentenceHead(nn.Module):
@@ -90,7 +88,9 @@ class MilNce(Experiment):
     model_name = property(lambda self: f"linear-video+maxpool-words-d{self.options.embed_dim}")
 
     def load_data(self) -> TrainSet:
-        """Rank 0 builds the data once (a stand-in's script, `write_splits`); every rank maps it."""
+        """Rank 0 builds the data once (a stand-in's script, `write_splits`); every rank maps it.
+        HowTo100M's bags take hours: ranks that find them unbuilt stop at once, naming the command
+        that builds them in one process."""
         o, (rank, world_size) = self.options, rank_and_world_size()
         planted = f"planted-v{o.planted_videos}-s{o.planted_sigma:g}-d{o.planted_dim}"
         name = {"planted": planted, "python-doc": "python-doc-sections"}.get(o.source, o.source)
@@ -103,18 +103,24 @@ class MilNce(Experiment):
             "planted": ["howto100m_planted.py", self.root, *flags],
             "python-doc": ["howto100m_standin.py", self.root],
         }
+        settings = {"bag_size": o.bag_size, "eval_fraction": o.eval_fraction}
+        require(
+            world_size == 1 or o.source != "howto100m" or built(folder, settings),
+            f"{folder} holds no bags of these settings: build them first, in one process, with "
+            "python -m gcbs_lib.train --prepare-data and this run's --experiment, --profile, --set",
+        )
         if rank == 0:
             if o.source in scripts:
                 ensure_built(self.root, *scripts[o.source])
-            settings = {"bag_size": o.bag_size, "eval_fraction": o.eval_fraction}
             build_once(folder, settings, partial(write_splits, o, self.root))
-        if world_size > 1:  # for a build, not a hang: hours at HowTo100M's size (≥ 1.7 h estimated)
-            dist.barrier(dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT))
+        if world_size > 1:  # a stand-in's build: minutes, under the collective timeout
+            dist.barrier()
         self.store = howto100m.FeatureStore(self.root)
         self.tokenize = HashingTokenizer(o.vocab_size, o.max_words)
         self.bags = howto100m.open_arrays(folder / "train")
         self.eval_sets = {split: howto100m.open_arrays(folder / split) for split in ("dev", "test")}
-        return TrainSet(len(self.bags["clip_video"]), groups=self.bags["clip_video"].tolist())
+        # the clips' video numbers as they are mapped: no Python list of 82M clips on every rank
+        return TrainSet(len(self.bags["clip_video"]), groups=self.bags["clip_video"])
 
     def build_model(self) -> nn.Module:
         o, width = self.options, howto100m.features_of(self.store, self.bags, np.arange(1)).shape[1]
@@ -148,11 +154,9 @@ class MilNce(Experiment):
             _positions(gather_with_grad(batch.extra[k]), captions)
             for k in ("bag_ids", "exclude_ids")
         )
-        all_video = gather_with_grad(video)
-        all_text = gather_ragged(text)
         losses = mil_nce(
-            all_video,
-            all_text[first],
+            gather_with_grad(video),
+            gather_ragged(text)[first],
             bags,
             1 / (scale() if callable(scale) else scale),
             self.options.direction,
