@@ -51,6 +51,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from sklearn.datasets import make_blobs
 
 from gcbs_lib.comparison import arms_table, plot_comparison, record_runs, run_arms
 from gcbs_lib.gcbs import (
@@ -93,20 +94,13 @@ print(f"arms: {arms}")
 #   every pair is an edge and the order says nothing, so the gap returns to random's.
 #
 # So the gap should fall, then rise, with $k / B$. Planted classes show it: 16 classes of 32 points in 32
-# dimensions (a class centre plus each point's own offset; two noisy views), embedded as they are, no
-# training, $B = 64$, random ties.
-
+# dimensions (scikit-learn's `make_blobs`: class centres drawn in a box, each point's own offset; two noisy
+# views), embedded as they are, no training, $B = 64$, random ties.
 
 # %%
-def planted(draw: int, classes=16, per_class=32, dim=32, spread=0.6):
-    """Points of planted classes: fixed centres (seed 0), each point's offset drawn by `draw`."""
-    centres = torch.randn(classes, dim, generator=torch.Generator().manual_seed(0))
-    labels = torch.arange(classes).repeat_interleave(per_class)
-    offsets = torch.randn(len(labels), dim, generator=torch.Generator().manual_seed(draw + 1))
-    return centres[labels] + spread * offsets, labels
-
-
-points, labels = planted(seed)
+blobs = dict(centers=16, n_features=32, cluster_std=0.6, center_box=(-1.7, 1.7), random_state=seed)
+points, classes = make_blobs(n_samples=512, **blobs)
+points, labels = torch.tensor(points, dtype=torch.float32), torch.tensor(classes)
 noise = torch.Generator().manual_seed(seed)
 view1, view2 = (points + 0.3 * torch.randn(points.shape, generator=noise) for _ in range(2))
 n, batch_size, temperature = len(points), 64, 0.2
