@@ -53,6 +53,7 @@ import matplotlib.pyplot as plt
 import torch
 from sklearn.datasets import make_blobs
 
+from gcbs_lib import verdict
 from gcbs_lib.comparison import arms_table, plot_comparison, record_runs, run_arms
 from gcbs_lib.gcbs import (
     consecutive_batches,
@@ -242,17 +243,6 @@ plt.show()
 #   GCBS needs its regime, whether storage-order ties change the call.
 
 
-# %%
-def call(line) -> str:
-    """The call of a line's best-dev interval: above 0, below 0, or not resolved."""
-    low, high = line.best
-    if low > 0:
-        return "above 0"
-    if high < 0:
-        return "below 0"
-    return "not resolved"
-
-
 # %% tags=["figure:committed-delta-against-k-over-b"]
 committed_file = COMMITTED / "10_gcbs_regime.cpu.json"
 if committed_file.exists():
@@ -262,14 +252,14 @@ if committed_file.exists():
     calls = {}
     for line in committed.values():
         if line.metric == "test_knn_accuracy":
-            calls[line.arm] = call(line)
+            calls[line.arm] = verdict.called("gcbs", line.metric, *line.best)  # its interval's call
             low, high = line.best
             print(f"{line.arm:>17}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
     # the sweep, all with random ties: the published q's arm, then k = 20, 64, 250
     swept = [arm for arm in calls if arm != "gcbs"]
-    sign_decided = {"above 0", "below 0"} <= {calls[arm] for arm in swept}
-    wider = any(calls[arm] == "above 0" for arm in swept[1:])
-    needs_regime = wider and calls["gcbs-random-ties"] != "above 0"
+    sign_decided = {"GCBS better", "GCBS worse"} <= {calls[arm] for arm in swept}
+    wider = any(calls[arm] == "GCBS better" for arm in swept[1:])
+    needs_regime = wider and calls["gcbs-random-ties"] != "GCBS better"
     ties_matter = calls["gcbs"] != calls["gcbs-random-ties"]
     print(f"the regime decides the sign: {sign_decided}; GCBS needs its regime: {needs_regime}")
     print(f"storage-order ties change the call: {ties_matter}")
