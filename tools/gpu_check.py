@@ -195,6 +195,12 @@ def planning_rows(args) -> list:
     return rows
 
 
+def step_records(folder) -> list[dict]:
+    """The step records a training run logged in `folder`'s metrics.jsonl."""
+    lines = Path(folder, "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "step"]
+
+
 def check_precision(args) -> list:
     """The ci code-search run, 4 steps with GradCache chunks of 8, in fp32, bf16 and fp16 on the
     device: finite losses, a step taken, and the first step's loss (same parameters, same batch)
@@ -206,8 +212,7 @@ def check_precision(args) -> list:
         for precision in ("fp32", "bf16", "fp16"):
             folder = Path(tmp, precision)
             train(load_config("codesearch", "ci", {**settings, "precision": precision}), folder)
-            lines = (folder / "metrics.jsonl").read_text().splitlines()
-            steps[precision] = [r for r in map(json.loads, lines) if r["kind"] == "step"]
+            steps[precision] = step_records(folder)
             scaler[precision] = load_checkpoint(folder / "checkpoint.pt")["scaler"]
     reference = steps["fp32"][0]["loss"]
     rows = []
@@ -413,8 +418,7 @@ def check_minilm(args) -> list:
     del experiment
     with tempfile.TemporaryDirectory(prefix="gpu-check-minilm-") as tmp:
         summary = train_run(Path(tmp), "cpu", [f"{k}={v}" for k, v in settings.items()])
-        steps = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in steps if r["kind"] == "step"]
+        steps = step_records(tmp)
     trained, rate = summary["test"]["mrr"], len(steps) / sum(r["seconds"] for r in steps)
     finite = (
         math.isfinite(start) and math.isfinite(trained) and len(steps) == int(settings["max_steps"])
@@ -507,10 +511,7 @@ def check_trainer(args) -> list:
         train(replace(config, loader_workers=0), Path(tmp, "one"))
         launched = {"config": asdict(config), "output_dir": str(Path(tmp, "ranks"))}
         launch("gcbs_lib.train:launched", nproc=ranks, backend=backend, args=launched, echo=False)
-        losses = []
-        for name in ("one", "ranks"):
-            lines = Path(tmp, name, "metrics.jsonl").read_text().splitlines()
-            losses.append([r["loss"] for r in map(json.loads, lines) if r["kind"] == "step"])
+        losses = [[r["loss"] for r in step_records(Path(tmp, name))] for name in ("one", "ranks")]
     error = max((abs(a - b) / abs(b) for a, b in zip(*losses)), default=math.inf)
     limit = 1e-9 if args.device == "cpu" else 1e-6
     synced = "ranks in sync, " if ranks > 1 else ""
