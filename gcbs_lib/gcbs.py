@@ -32,6 +32,8 @@ BLOCK_ELEMENTS = 2**22  # similarities per block on the CPU: 16 MiB of float32
 DEVICE_BLOCK_ELEMENTS = 2**27  # on a GPU: 512 MiB of float32
 SAMPLE_ROWS = 256  # rows of S sampled for the lower bound on the threshold
 NO_BOUND = -2.0  # below every cosine similarity
+# a node's number in the edge lists: N < 2³¹ (an N × N scan of more would never end)
+NODE = np.int32
 
 
 def unit_rows(z1, z2, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +218,7 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
 
     quantiles = [u1.new_empty(0)]
     kept = []
-    edges = [np.empty(0, np.int64)]
+    edges = [np.empty((0, 2), NODE)]  # (row, column) pairs
 
     # blocks of whole 10-row chunks, the diagonal kept as in the published code
     for start, block in _blocks(u1[first : first + 10 * len(chunks)], u2, True, 10):
@@ -244,7 +246,8 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
     for start, length, bound, flat, values in kept:
         if bound > threshold:
             flat, values = _at_least(u1[start : start + length] @ u2.T, threshold)
-        edges.append(flat[values > threshold] + start * n)
+        rows, cols = np.divmod(flat[values > threshold], n)
+        edges.append(np.stack([rows + start, cols], 1).astype(NODE))
 
     edges = torch.from_numpy(np.concatenate(edges))
     if shared:  # every rank's edges, to rank 0 alone
@@ -252,7 +255,7 @@ def published_graph(z1, z2, quantile: float = 0.999, shared: bool = False) -> sp
         if edges is None:
             return None
 
-    rows, cols = np.divmod(edges.cpu().numpy(), n)
+    rows, cols = edges.cpu().numpy().T
     return sp.csr_matrix((np.ones(len(rows), bool), (rows, cols)), shape=(n, n))
 
 
@@ -274,7 +277,7 @@ def graph_order(graph: sp.csr_matrix, groups=None, relabel=None) -> torch.Tensor
         rows, cols = rows[apart], cols[apart]
 
     relabel = np.arange(graph.shape[0]) if relabel is None else np.asarray(relabel)
-    label = np.argsort(relabel)
+    label = np.argsort(relabel).astype(NODE)
     edges = (np.ones(len(rows), bool), (label[rows], label[cols]))
     order = reverse_cuthill_mckee(sp.csr_matrix(edges, shape=graph.shape))
     return torch.from_numpy(relabel[order].astype(np.int64))
@@ -368,7 +371,9 @@ def same_group_pairs(batches: torch.Tensor, groups: Sequence[Hashable]) -> float
     return same / (codes.shape[0] * codes.shape[1] * (codes.shape[1] - 1))
 
 
-def loss_gap(z1, z2, order, batch_size: int, temperature: float, reference=None) -> float:
+def loss_gap(
+    z1, z2, order, batch_size: int, temperature: float, reference=None, rows=None
+) -> float:
     """Exact L^Global − L^Train of InfoNCE over the consecutive batches of `order` (the last maybe
     shorter). With S = ẑ1ẑ2ᵀ and B(i) the batch of item i, the positive terms cancel:
         gap = (1/N) Σ_i [ log Σ_j e^{S_ij/τ} − log Σ_{j∈B(i)} e^{S_ij/τ} ]  ≥ 0.
@@ -378,11 +383,16 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float, reference=None)
     `reference` = (r2, count): the gap of these batches within a larger epoch, whose `count` other
     items are represented by the z2 rows r2 of a uniform sample of them. L^Global's sum over those
     items is estimated as count / len(r2) times the sum over r2; every term over the batches' own
-    items stays exact, so each item's estimate is never below its in-batch term."""
+    items stays exact, so each item's estimate is never below its in-batch term.
+
+    `rows` (a range of items, default all N): only their terms, still divided by N, so that the
+    parts of a split of range(N), one per rank, add up to the gap."""
     require(temperature > 0, f"temperature must be positive, got {temperature}")
     u1, u2 = unit_rows(z1, z2, torch.float64)
     n = len(u1)
     _check_batch_size(batch_size, n)
+    rows = range(n) if rows is None else rows
+    require(rows.step == 1 and 0 <= rows.start <= rows.stop <= n, f"rows: a range in range({n})")
 
     order = torch.as_tensor(order)
     require(not order.is_floating_point(), f"order must hold integer indices, got {order.dtype}")
@@ -403,13 +413,14 @@ def loss_gap(z1, z2, order, batch_size: int, temperature: float, reference=None)
         log_weights = columns.new_zeros(len(columns))
         log_weights[n:] = math.log(count / len(sample))
     total = u1.new_zeros(())
-    rows = max(1, _block_elements(u1.device) // len(columns))
+    block = max(1, _block_elements(u1.device) // len(columns))
 
     # summed on the device: one host sync
-    for start in range(0, n, rows):
-        logits = u1[start : start + rows] @ columns.T / temperature + log_weights
+    for start in range(rows.start, rows.stop, block):
+        span = slice(start, min(start + block, rows.stop))
+        logits = u1[span] @ columns.T / temperature + log_weights
         # the in-batch term: over the batches' own columns (the sampled ones are in no batch)
-        outside = batch_of[start : start + rows, None] != batch_of[None, :]
+        outside = batch_of[span, None] != batch_of[None, :]
         inside = logits[:, :n].masked_fill(outside, -math.inf).logsumexp(1)
         total += (logits.logsumexp(1) - inside).sum()
     return total.item() / n

@@ -420,8 +420,9 @@ class Trainer:
         self.run.log(dict(kind="eval", split="dev", step=self.step, epoch=self.epoch, **scores))
 
     def _plan_epoch(self) -> dict:
-        """Each rank embeds its share of the epoch's items (all, or one per group drawn afresh);
-        rank 0 alone gathers them, plans, logs cost and diagnostics; every rank gets the plan."""
+        """Each rank embeds its share of the epoch's items (all, or one per group drawn afresh) and
+        gathers every rank's; rank 0 plans, every rank gets the plan and sums its share of the loss
+        gap, and rank 0 logs cost and diagnostics."""
         config = self.config
         start = time.perf_counter()
         items = self._items(self.epoch)
@@ -442,26 +443,24 @@ class Trainer:
             share = embedded_items.tensor_split(self.world_size)[self.rank]
             embed = partial(self._in_eval_mode, self.experiment.pair_embeddings)
             pairs = [embed(part) for part in share.split(config.embed_batch_size)]
-            to_main = not shared
-            z1, z2 = (distributed.gather_ragged(torch.cat(z).float(), to_main) for z in zip(*pairs))
+            z1, z2 = (distributed.gather_ragged(torch.cat(z).float()) for z in zip(*pairs))
 
         embedded = time.perf_counter()
         graph = None
         if shared:
             graph = gcbs.published_graph(z1, z2, self._quantile(len(items)), shared=True)
 
-        plan = [None]
+        plan = [None, None]  # the plan, and its batches as positions in items
+        record = {}
         if self.main:
             if planned is None:
                 planned = self._sample(z1, z2, items, graph)
             positions, diagnostics = planned  # rows of z1, z2
             plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
+            plan.append(positions["batches"])
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
             record.update(embed_seconds=embedded - start, sampler_seconds=sampled - embedded)
-
-            if config.log_loss_gap:
-                record["loss_gap"] = self._loss_gap(z1, z2, positions["batches"], sample)
 
             groups = self._groups(items)
             if groups is not None:
@@ -472,10 +471,13 @@ class Trainer:
                 before = set(self._items(self.epoch - 1).tolist())
                 before -= set(self.plan["batches"].view(-1).tolist())
                 diagnostics["dropped_again"] = len(dropped & before) / len(dropped)
-            self.run.log({**record, **diagnostics})
 
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
+        if config.log_loss_gap:  # each rank sums its share of the terms, rank 0 gets the gap
+            record["loss_gap"] = self._loss_gap(z1, z2, plan[1], sample)
+        if self.main:
+            self.run.log({**record, **diagnostics})
         return plan[0]
 
     def _diagnostic_sample(self, batches: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -496,10 +498,11 @@ class Trainer:
         reference = rest[torch.randperm(len(rest), generator=draw)[:size]]
         return torch.cat([measured, reference]), len(measured)
 
-    def _loss_gap(self, z1, z2, batches: torch.Tensor, embedded=None) -> float:
+    def _loss_gap(self, z1, z2, batches: torch.Tensor, embedded=None) -> float | None:
         """L^Global − L^Train of the epoch's planned `batches`: exact, or over the batches of the
         `_diagnostic_sample`, the other batches' items estimated from R. z1, z2: every item's, or
-        only those of the sample `embedded` where the random arm embedded just that."""
+        only those of the sample `embedded` where the random arm embedded just that. Each rank
+        sums its share of the terms; rank 0 gets the gap (the other ranks None)."""
         sample = embedded
         if sample is None:  # z1, z2 hold every item
             sample = self._diagnostic_sample(batches)
@@ -513,7 +516,12 @@ class Trainer:
         order = torch.arange(measured)
         tau = 1 / self._scale()
         batch_size = self.config.batch_size
-        return gcbs.loss_gap(z1[:measured], z2[:measured], order, batch_size, tau, reference)
+        first, last = (measured * r // self.world_size for r in (self.rank, self.rank + 1))
+        rows = range(first, last)
+        part = gcbs.loss_gap(z1[:measured], z2[:measured], order, batch_size, tau, reference, rows)
+        parts = torch.tensor([part], dtype=torch.float64, device=z1.device)
+        parts = distributed.gather_ragged(parts, main_only=True)
+        return None if parts is None else parts.sum().item()
 
     def _items(self, epoch: int) -> torch.Tensor:
         """The items of `epoch`: all of the training set, or one per group drawn afresh."""

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -628,7 +628,7 @@ def test_mask_same_group_shows_in_the_config_and_needs_an_experiment_with_groups
 
 
 def plan_on_a_rank(config: dict, output_dir: str) -> dict:
-    """This rank's plan of the first epoch, and the shapes of the embeddings each rank gathered."""
+    """This rank's plan of the first epoch, and the shapes of what each rank gathered."""
     held = []
     gather = distributed.gather_ragged
 
@@ -645,26 +645,35 @@ def plan_on_a_rank(config: dict, output_dir: str) -> dict:
     return {"held": everyone, "batches": plan["batches"].tolist()}
 
 
-@pytest.mark.parametrize("sampler", ["gcbs", "random"])
-def test_two_ranks_plan_a_sampled_epoch_as_one_process_does(tmp_path, data_root, sampler):
-    """Under GCBS every rank holds the epoch's embeddings and scans its rows of S for the graph,
-    which rank 0 orders; otherwise rank 0 alone gathers them (for the loss gap)."""
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("sampler, sample", [("gcbs", None), ("random", None), ("random", 12)])
+def test_ranks_plan_an_epoch_and_sum_its_loss_gap_as_one_process_does(
+    tmp_path, data_root, nproc, sampler, sample
+):
+    """Every rank holds the epoch's embeddings (or the random arm's diagnostic sample alone: here
+    one batch of 12 measured and 12 items standing for the other three): under GCBS each scans its
+    rows of S for the graph, which rank 0 orders; each sums its share of the loss gap's terms,
+    rank 0 logs the whole. The plan is one process's, the gap too to rounding (float64)."""
     overrides = dict(sampler=sampler, one_per_group=True, dropout=0.0, dtype="float64")
-    config = load_config("codesearch", "ci", settings(data_root, **overrides))
+    config = load_config("codesearch", "ci", settings(data_root, **overrides, batch_size=12))
+    config = replace(config, diagnostic_sample=sample)
     one = Trainer(config, tmp_path)._plan_epoch()
-    (tmp_path / "two").mkdir()
-    two = launch(
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    shared = launch(
         f"{__name__}:plan_on_a_rank",
-        nproc=2,
+        nproc=nproc,
         backend="gloo",
         echo=False,
         timeout=120,
-        args={"config": asdict(config), "output_dir": str(tmp_path / "two")},
+        args={"config": asdict(config), "output_dir": str(ranks)},
     )
-    width = config.options.tiny_dim
-    on_rank_1 = [(48, width)] * 2 if sampler == "gcbs" else [None, None]
-    assert two["held"] == [[(48, width)] * 2, on_rank_1]
-    assert two["batches"] == one["batches"].tolist()
+    embeddings = [(48 if sample is None else 24, config.options.tiny_dim)] * 2
+    parts = [(nproc,)] + [None] * (nproc - 1)  # the loss gap's, to rank 0
+    assert shared["held"] == [[*embeddings, part] for part in parts]
+    assert shared["batches"] == one["batches"].tolist()
+    gaps = [records(folder, "epoch")[0]["loss_gap"] for folder in (tmp_path, ranks)]
+    assert gaps[1] == pytest.approx(gaps[0], rel=1e-12, abs=0) and gaps[0] > 0
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
