@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from test_data_images import write_idx
 
 from gcbs_lib.experiments import get, moco
-from gcbs_lib.experiments.moco import MoCo, MoCoModel, RandomViews, SplitBatchNorm2d, colour, hue
+from gcbs_lib.experiments.moco import (
+    MoCo,
+    MoCoModel,
+    RandomViews,
+    ReferenceBatchNorm2d,
+    SplitBatchNorm2d,
+    colour,
+    hue,
+)
 from gcbs_lib.seeding import stream_seed
 from gcbs_lib.train import Trainer, load_checkpoint, load_config, train
 
@@ -491,3 +499,62 @@ def test_mask_same_group_leaves_simclrs_same_class_views_out_and_moco_refuses_it
     torch.testing.assert_close(
         trainer.experiment.loss([z1, z2], batch, trainer.config.scale), expected
     )
+
+
+def test_reference_batchnorm_normalises_the_batch_half_by_the_reference_halfs_statistics(
+    float64_default,
+):
+    """The first half's batch statistics (biased variance), with their gradient, normalise both
+    halves; the running statistics take them as BatchNorm takes a batch's; eval mode is
+    BatchNorm's. With a batch that is its own reference, the batch half is BatchNorm's output."""
+    reference, plain = ReferenceBatchNorm2d(3), torch.nn.BatchNorm2d(3)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 2), reference.bias.normal_()
+    plain.load_state_dict(reference.state_dict())
+    a = (torch.randn(8, 3, 5, 5) * 3 + 1).requires_grad_()
+    b = torch.randn(8, 3, 5, 5) * 0.5 - 2
+    torch.testing.assert_close(reference(torch.cat([a, a]))[8:], plain(a), rtol=1e-12, atol=1e-12)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(reference, name), getattr(plain, name))
+
+    y = reference(torch.cat([a, b]))[8:]
+    mean = a.mean((0, 2, 3), keepdim=True)
+    var = a.var((0, 2, 3), unbiased=False, keepdim=True)
+    weight, bias = (p.view(1, -1, 1, 1) for p in (reference.weight, reference.bias))
+    torch.testing.assert_close(y, (b - mean) / (var + reference.eps).sqrt() * weight + bias)
+    y.sum().backward()
+    assert a.grad.abs().max() > 1e-3  # through the reference's statistics
+    plain.running_mean.copy_(reference.running_mean), plain.running_var.copy_(reference.running_var)
+    torch.testing.assert_close(reference.eval()(b), plain.eval()(b), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="a reference half and a batch half, got 7"):
+        reference.train()(a[:7])
+
+
+def test_bn_reference_collates_a_random_reference_batch_that_sets_batchnorm_and_leaves_the_loss(
+    image_root, tmp_path
+):
+    """SimCLR's BatchNorm control: before each batch, as many training images drawn by the
+    batch's items (the same batch draws the same ones, another batch others); the model's
+    BatchNorm layers take their statistics, and the loss is the batch's alone. MoCo refuses it."""
+    settings = {**TINY, "data_root": str(image_root), "bn_reference": True, "max_steps": 2}
+    config = load_config("simclr", "ci", settings)
+    experiment = get("simclr")(config.options, seed=0, device="cpu")
+    experiment.load_data()
+    model = experiment.build_model()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(isinstance(m, ReferenceBatchNorm2d) for m in norms)
+
+    batch = experiment.collate(list(range(16)))
+    images = batch.inputs[0]
+    reference = images[:16]
+    assert images.shape[0] == 32 and torch.equal(images[16:], experiment.train[:16])
+    assert torch.equal(experiment.collate(list(range(16))).inputs[0], images)
+    assert not torch.equal(experiment.collate(list(range(1, 17))).inputs[0][:16], reference)
+
+    torch.manual_seed(0)
+    z1, z2 = (model.query(x) for x in batch.inputs)
+    expected = F.cross_entropy(z1[16:] @ z2[16:].T * config.scale, torch.arange(16))
+    torch.testing.assert_close(experiment.loss([z1, z2], batch, config.scale), expected)
+    assert train(config, tmp_path / "run")["steps"] == 2
+    with pytest.raises(ValueError, match="bn_reference: simclr only"):
+        experiment_and_model(image_root, bn_reference=True)

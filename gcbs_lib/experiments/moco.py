@@ -12,6 +12,7 @@ GradCache chunks). GCBS orders images by f_k of two fixed views."""
 
 import copy
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -139,6 +140,25 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         return y.view_as(x)
 
 
+class ReferenceBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm normalising a training batch by the statistics of its first half, a reference
+    batch (with their gradient, as BatchNorm's own); the running statistics follow them. Eval
+    mode is BatchNorm's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        require(len(x) and not len(x) % 2, f"a reference half and a batch half, got {len(x)}")
+
+        # the reference half's statistics, as F.batch_norm computes a batch's
+        reference = x[: len(x) // 2]
+        mean = reference.mean((0, 2, 3))
+        var = reference.var((0, 2, 3), unbiased=False)
+        super().forward(reference.detach())  # BatchNorm's update of the running statistics
+        scale = self.weight * (var + self.eps).rsqrt()
+        return x * scale.view(1, -1, 1, 1) + (self.bias - mean * scale).view(1, -1, 1, 1)
+
+
 class BasicBlock(nn.Module):
     """ResNet's basic block: two 3×3 convolutions, each followed by `norm(channels)`, and a
     shortcut."""
@@ -239,6 +259,9 @@ class MoCo(Experiment):
         knn_temperature: float = 0.1
         eval_batch_size: int = 512
         bn_splits: int = 8  # BatchNorm groups of a batch: bn_splits / world size per rank
+        # simclr: BatchNorm's training statistics from a random reference batch (the BatchNorm
+        # control: a batch's own statistics, homogeneous under GCBS, never normalise it)
+        bn_reference: bool = False
 
     dev_metric = "knn_accuracy"
     from_scratch = True
@@ -274,6 +297,7 @@ class MoCo(Experiment):
         o = self.options
         world = rank_and_world_size()[1]
         require(not o.bn_splits % world, f"bn_splits={o.bn_splits} is no multiple of {world} ranks")
+        require(not o.bn_reference, "bn_reference: simclr only (MoCo shuffles its key batch)")
         # the key shuffle stays within a rank: one group per rank would pair query i and key i again
         require(
             world == 1 or o.bn_splits >= 2 * world,
@@ -339,7 +363,9 @@ class SimCLR(MoCo):
     """Where GCBS's mechanism applies: MoCo's encoder, head, views and profiles, trained as SimCLR
     trains, both views through f_q with gradients, each view's negatives the other view of the
     batch's other images; no queue, no momentum encoder; SimCLR's BatchNorm over each view's whole
-    batch (groups, bn_splits, would give an image's two views the same group's statistics)."""
+    batch (groups, bn_splits, would give an image's two views the same group's statistics). With
+    `bn_reference`, each batch is collated after a reference batch of as many training images,
+    drawn at random by the batch's items, which set BatchNorm's statistics and leave the loss."""
 
     config = "moco"  # profiles: configs/moco.yaml
     family = "simclr"
@@ -347,12 +373,28 @@ class SimCLR(MoCo):
     def build_model(self) -> nn.Module:
         require(rank_and_world_size()[1] == 1, "simclr runs in one process (BatchNorm is per rank)")
         # its loss needs no queue
-        norm = partial(SplitBatchNorm2d, splits=1)  # BatchNorm over each view's whole batch
+        # BatchNorm over each view's whole batch, or by a reference batch's statistics
+        plain = partial(SplitBatchNorm2d, splits=1)
+        norm = ReferenceBatchNorm2d if self.options.bn_reference else plain
         return MoCoModel(self.train.shape[1], self.options, self.views, norm)
 
     def branches(self, model: nn.Module) -> list[nn.Module]:
         return [model.query, model.query]
 
-    loss = Experiment.loss  # InfoNCE of the first views over the batch's second views
+    def collate(self, indices: Sequence[int], negatives: Sequence[int] | None = None) -> Batch:
+        """The images twice, after the reference batch where `bn_reference` asks for one."""
+        if not self.options.bn_reference:
+            return super().collate(indices)
+        batch = zlib.crc32(torch.tensor(indices).numpy().tobytes())  # a seed that the items make
+        draw = generator(self.seed, batch, "bn-reference")
+        reference = torch.randint(len(self.train), (len(indices),), generator=draw)
+        return super().collate([*reference.tolist(), *indices])
+
+    def loss(self, embeddings: Sequence, batch: Batch, scale) -> torch.Tensor:
+        """InfoNCE of the first views over the batch's second views, the reference half left out."""
+        if self.options.bn_reference:
+            embeddings = [z[len(z) // 2 :] for z in embeddings]
+        return Experiment.loss(self, embeddings, batch, scale)
+
     in_batch_negatives = True
     after_step = Experiment.after_step
