@@ -210,10 +210,10 @@ class RunFolder:
 
         settings = asdict(self.config)
         old = state.get("config", settings)
-        # a key missing from `old` came after it: a redo
+        # compared only with what this code made (other code's run is redone, whatever its keys)
         changed = [k for k, v in settings.items() if k not in RESUMABLE and old.get(k, v) != v]
         require(
-            not changed,
+            redo or not changed,
             f"{path} was written with other settings ({', '.join(changed)}): use another "
             "output directory, or the same settings to resume",
         )

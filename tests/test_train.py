@@ -805,6 +805,12 @@ def test_a_run_made_by_other_code_is_redone_from_scratch_to_the_result_of_a_fres
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4]
     assert load_checkpoint(tmp_path / "checkpoint.pt")["code"] == changed
 
+    # settings are compared only with a run this code made: other code's is redone, whatever
+    # its settings (here an option it may not have had)
+    monkeypatch.setattr(gcbs_lib.train, "code_fingerprint", lambda: made)
+    assert train(replace(config, lr=2 * config.lr), tmp_path)["steps"] == 4
+    assert capsys.readouterr().out.startswith(f"redoing {tmp_path}")
+
 
 # ---- failure
 # -----------------------------------------------------------------------------------------------
