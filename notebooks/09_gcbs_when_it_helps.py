@@ -135,7 +135,8 @@ print(f"B = {config.batch_size}: k / B = {k / config.batch_size:.2f}")
 # statistics from a **reference batch**: before each batch, as many training images drawn at random (by the
 # batch's items) pass the encoder with it; BatchNorm normalises both by the reference's statistics, and the
 # loss leaves the reference out (`bn_reference`). Normalisations that do not look across the batch at all
-# (GroupNorm, none) stayed at raw pixels in the pilot (section 5). With the mask on in all four arms,
+# (GroupNorm, none) stayed at raw pixels in a pilot (the `cpu` profile file says which). With the mask on in
+# all four arms,
 #
 # $$I_{BN} = (\text{gcbs+mask+bnref} - \text{random+mask+bnref}) - (\text{gcbs+mask} - \text{random+mask}),$$
 #
