@@ -54,7 +54,6 @@ arms = {  # arm: its settings; "random" is the baseline of every Δ
     "random": {"sampler": "random"},
     "gcbs": {"sampler": "gcbs"},
     "hard_negatives": {"sampler": "hard_negatives"},
-    "gcbs-k16": {"sampler": "gcbs", "gcbs_neighbours": 16, "gcbs_ties": "random"},
     "random+mask": {"sampler": "random", "mask_same_group": True},
     "gcbs+mask": {"sampler": "gcbs", "mask_same_group": True},
 }
