@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import scipy.stats
 from matplotlib.ticker import MaxNLocator
 
-from gcbs_lib import results
+from gcbs_lib import results, verdict
 from gcbs_lib.check import require
 from gcbs_lib.launcher import launch
 from gcbs_lib.rows import read_rows, record
@@ -275,6 +275,69 @@ def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=N
 
     plt.tight_layout()
     plt.show()
+
+
+def contrasts(experiment: str, metric: str, records: list[dict], named: dict) -> dict:
+    """{(name, checkpoint): (Δ, low, high)} of test `metric` (e.g. "mrr") for each contrast of
+    `named`, {name: (arms summed, arms subtracted)} paired by seed, whose arms ran; at best-dev
+    checkpoints and the last step, from per-item output records (`outputs_of`, or a committed
+    outputs file's). One bootstrap draws the seeds and test items for every contrast alike."""
+    measured = {}
+    for checkpoint in ("best", "last"):
+        runs = {}
+        for found in records:
+            if found["checkpoint"] == checkpoint:
+                runs.setdefault(found["arm"], {})[found["seed"]] = found["outputs"]
+        ran = {name: pair for name, pair in named.items() if set(sum(pair, ())) <= set(runs)}
+        used = {arm: runs[arm] for pair in ran.values() for arm in sum(pair, ())}
+        intervals = verdict.bootstrap(experiment, used, list(ran.values()))
+        for name, pair in ran.items():
+            measured[name, checkpoint] = intervals[pair][metric]
+    return measured
+
+
+def show_contrasts(measured: dict) -> None:
+    """Print each contrast of `contrasts` with its interval and whether it is resolved."""
+    for (name, checkpoint), (value, low, high) in measured.items():
+        call = "not resolved"
+        if low > 0 or high < 0:
+            call = f"{'above' if low > 0 else 'below'} 0, resolved"
+        print(f"{name:>24} at {checkpoint:>4}: {value:+.4f} [{low:+.4f}, {high:+.4f}]: {call}")
+
+
+def regime_of(rows: list[dict]) -> dict:
+    """{arm: {diagnostic: mean over seeds and epochs}} of result rows (their "name@epochN")."""
+    values = {}
+    for row in rows:
+        name, at, _ = row["metric"].partition("@epoch")
+        if at:
+            values.setdefault(row["arm"], {}).setdefault(name, []).append(row["value"])
+    return {arm: {k: statistics.mean(v) for k, v in found.items()} for arm, found in values.items()}
+
+
+def plot_regime(lines: dict, rows: list[dict], metric: str, title: str) -> None:
+    """Print each arm's diagnostics (`regime_of`); draw the Δ of `metric` (best dev, 95 %) of each
+    GCBS arm in `lines` ("arm/metric": line) and the loss gap of its batches against its k / B."""
+    diagnostics = regime_of(rows)
+    size = load_config(rows[0]["experiment"], rows[0]["profile"]).batch_size
+    _, (delta_axis, gap_axis) = plt.subplots(1, 2, figsize=(11, 3.2))
+    for arm, found in diagnostics.items():
+        print(f"{arm:>17}: " + "  ".join(f"{k} {v:.3f}" for k, v in sorted(found.items())))
+        line = lines.get(f"{arm}/{metric}")
+        if line is None or "neighbours" not in found:
+            continue
+        x = found["neighbours"] / size
+        marker = "s" if arm == "gcbs" else "o"  # index ties: a square
+        low, high = line.best
+        delta_axis.errorbar(x, line.delta, [[line.delta - low], [high - line.delta]], fmt=marker)
+        delta_axis.annotate(arm, (x, line.delta), fontsize=7)
+        gap_axis.plot(x, found["loss_gap"], marker, color="C0")
+    delta_axis.axhline(0, color="grey", lw=0.8)
+    gap_axis.axhline(diagnostics["random"]["loss_gap"], color="grey", ls="--", label="random")
+    delta_axis.set(xscale="log", xlabel="k / B", ylabel=f"Δ {metric} vs random", title=title)
+    gap_axis.set(xscale="log", xlabel="k / B", ylabel="loss gap, mean of the epochs (nats)")
+    gap_axis.legend()
+    plt.tight_layout()
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:

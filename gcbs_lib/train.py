@@ -450,14 +450,13 @@ class Trainer:
         if shared:
             graph = gcbs.published_graph(z1, z2, self._quantile(len(items)), shared=True)
 
-        plan = [None, None]  # the plan, and its batches as positions in items
+        plan = [None]  # as positions in items
         record = {}
         if self.main:
             if planned is None:
                 planned = self._sample(z1, z2, items, graph)
             positions, diagnostics = planned  # rows of z1, z2
-            plan = [{k: None if v is None else items[v] for k, v in positions.items()}]
-            plan.append(positions["batches"])
+            plan = [positions]
             sampled = time.perf_counter()
             record = dict(kind="epoch", epoch=self.epoch, step=self.step, sampler=config.sampler)
             record.update(embed_seconds=embedded - start, sampler_seconds=sampled - embedded)
@@ -466,7 +465,7 @@ class Trainer:
             if groups is not None:
                 record["same_group_pairs"] = gcbs.same_group_pairs(positions["batches"], groups)
 
-            dropped = set(items.tolist()) - set(plan[0]["batches"].view(-1).tolist())
+            dropped = set(items.tolist()) - set(items[positions["batches"]].view(-1).tolist())
             if self.plan is not None and dropped:  # the last epoch's plan: what it left out
                 before = set(self._items(self.epoch - 1).tolist())
                 before -= set(self.plan["batches"].view(-1).tolist())
@@ -474,11 +473,12 @@ class Trainer:
 
         if self.world_size > 1:
             dist.broadcast_object_list(plan, src=0)
+        positions = plan[0]
         if config.log_loss_gap:  # each rank sums its share of the terms, rank 0 gets the gap
-            record["loss_gap"] = self._loss_gap(z1, z2, plan[1], sample)
+            record["loss_gap"] = self._loss_gap(z1, z2, positions["batches"], sample)
         if self.main:
             self.run.log({**record, **diagnostics})
-        return plan[0]
+        return {k: None if v is None else items[v] for k, v in positions.items()}
 
     def _diagnostic_sample(self, batches: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The items the loss gap of the planned `batches` measures, as positions in the epoch's

@@ -22,16 +22,19 @@
 # code of a whole pool. UniXcoder (Guo et al., 2022) does it with **one** encoder for both sides, and the GCBS
 # paper (Sachidananda, Yang and Zhu, ICML 2023) fine-tunes it with GCBS batches (notebook 03) for
 # **+1.0 / +2.0 / +2.2 MRR points** over random batches on CosQA / AdvTest / CodeSearchNet. Here: UniXcoder's
-# recipe derived and checked, what GCBS does to code-search batches, then three arms on the same seeds:
+# recipe derived and checked, what GCBS does to code-search batches, then arms on the same seeds:
 #
 # * `random` — UniXcoder's own training: a shuffled order, read into batches (the baseline);
 # * `gcbs` — at each epoch start, embed every training pair and take the published GCBS order (RCM over the
 #   graph of the most similar pairs, `gcbs_lib.gcbs.published_permutation`), read into batches in sequence;
 # * `hard_negatives` — random batches plus, per query, one code the current model ranks high but that is not
-#   its match (`gcbs_lib.mining`).
+#   its match (`gcbs_lib.mining`);
+# * GCBS at more neighbours an item, and arms that take same-file codes out of the negatives (section 7 asks
+#   with them why GCBS does what it does).
 #
 # Every arm cuts its order alike (`gcbs.consecutive_batches`): no two pairs of one duplicate group in a batch,
-# the short last batch dropped. So the arms differ in the order only.
+# the short last batch dropped. So the arms differ in the order only, except those that mask negatives
+# (section 7), which change the loss too.
 
 # %% [markdown]
 # **Data and encoders, by profile.** `ci` (the committed outputs): a tiny encoder trained from scratch on a few
@@ -47,7 +50,13 @@
 device = "cpu"
 seeds = [0, 1]  # every arm runs on each of these seeds
 profile = "ci"  # profile of gcbs_lib/configs/codesearch.yaml behind every run
-arms = ["random", "gcbs", "hard_negatives"]  # samplers compared; "random" is the baseline
+arms = {  # arm: its settings; "random" is the baseline of every Δ
+    "random": {"sampler": "random"},
+    "gcbs": {"sampler": "gcbs"},
+    "hard_negatives": {"sampler": "hard_negatives"},
+    "random+mask": {"sampler": "random", "mask_same_group": True},
+    "gcbs+mask": {"sampler": "gcbs", "mask_same_group": True},
+}
 data = ""  # empty: the profile's; else stdlib-csn, stdlib-advtest, cosqa, advtest, csn
 data_root = ""  # empty: gcbs_lib.data.data_root(), i.e. env GCBS_DATA_ROOT or <repo>/data
 overrides = {}  # further config keys for every run, e.g. {"epochs": 3}
@@ -62,6 +71,7 @@ import inspect
 from dataclasses import replace
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
@@ -71,9 +81,13 @@ from gcbs_lib.comparison import (
     arm_configs,
     arms_table,
     committed_plan,
+    contrasts,
+    outputs_of,
     plot_comparison,
+    plot_regime,
     record_runs,
     run_arms,
+    show_contrasts,
 )
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import consecutive_batches, published_permutation, same_group_pairs
@@ -92,7 +106,7 @@ settings = {
 configs = arm_configs(
     "codesearch", profile, arms, seeds, settings
 )  # what run_arms trains, seed by seed
-base = configs[arms[0], seeds[0]]
+base = configs["random", seeds[0]]
 runs = Path(output_dir) / profile
 experiment = experiments.get("codesearch")(base.options, seed=seeds[0], device=device)
 train_set = experiment.load_data()
@@ -313,6 +327,7 @@ delta = arms_table(
     summaries,
     stand_in="docstring → function pairs of the Python standard library, not the paper's datasets",
 )
+rows = record_runs(summaries, "04_gcbs_codesearch")
 
 # %% [markdown]
 # ## 6 · Dev MRR during training, and the loss gap each arm trains with
@@ -324,10 +339,51 @@ delta = arms_table(
 
 # %% tags=["figure:dev-mrr-and-loss-gap"]
 lines = [delta[f"{arm}/test_mrr"] for arm in arms if arm != "random"]
-plot_comparison(summaries, arms, "mrr", lines, f"code search dev MRR ({profile} profile)")
+plot_comparison(summaries, list(arms), "mrr", lines, f"code search dev MRR ({profile} profile)")
 
 # %% [markdown]
-# ## 7 · Against the paper
+# ## 7 · Why: the regime, and negatives from the query's own file
+#
+# Notebooks 09 and 10 ask of SimCLR what decides GCBS's effect; the arms beyond `random` and `gcbs` ask it of
+# code search.
+#
+# - **The regime.** GCBS links an item to about $k = (1 - q)\,N$ neighbours, against $B$ places in its batch
+#   (notebook 10 derives why $k / B$ is the lever). At the published $q = 0.999$ on the `cpu` profile's 5,105
+#   pairs, $k = 5.1$ against $B = 64$ ($k / B = 0.08$); the paper's AdvTest run had about 250. Arms named
+#   `gcbs-k…` set $k$ directly (`gcbs_neighbours`: $q = 1 - k/N$ each epoch) with random ties, as
+#   `gcbs-random-ties` does at the published $q$; `gcbs` breaks RCM's ties in the data's storage order.
+# - **Negatives from one source file.** Two functions of one file are not each other's answer, yet they often
+#   do related things: the likeliest near-answers among a query's negatives. `mask_same_group` takes the
+#   in-batch codes of the query's own file out of its softmax; `gcbs_prune_groups` deletes same-file edges
+#   from the graph before RCM. If those negatives are what GCBS's batches change, masking them changes GCBS's
+#   Δ: the interaction
+#
+# $$I = (\text{gcbs+mask} - \text{random+mask}) - (\text{gcbs} - \text{random})$$
+#
+# is one more contrast of the verdict's bootstrap (seeds and test modules drawn alike for the four arms).
+# Printed here for the arms that ran, then the figure: each GCBS arm's Δ against its $k / B$, beside the loss
+# gap of its batches.
+
+# %%
+CONTRASTS = {  # name: (arms summed, arms subtracted), paired by seed
+    "I": (("gcbs+mask", "random"), ("random+mask", "gcbs")),
+    "gcbs+mask − random+mask": (("gcbs+mask",), ("random+mask",)),
+}
+measured = contrasts("codesearch", "mrr", outputs_of(summaries), CONTRASTS)
+show_contrasts(measured)
+
+# %% tags=["figure:delta-and-loss-gap-against-k-over-b"]
+swept = [
+    arm
+    for arm, chosen in arms.items()
+    if chosen["sampler"] == "gcbs" and set(chosen) <= {"sampler", "gcbs_neighbours", "gcbs_ties"}
+]
+regime_lines = {f"{arm}/test_mrr": delta[f"{arm}/test_mrr"] for arm in swept}
+plot_regime(regime_lines, rows, "test_mrr", f"code search ({profile}): Δ by regime")
+plt.show()
+
+# %% [markdown]
+# ## 8 · Against the paper
 #
 # Read the measured Δ with the differences in mind: the `cpu` profile fine-tunes a small pretrained encoder that
 # has already seen CodeSearchNet, for UniXcoder's 2 AdvTest epochs on 5,105 stand-in pairs at 32 / 64 tokens,
@@ -340,7 +396,6 @@ plot_comparison(summaries, arms, "mrr", lines, f"code search dev MRR ({profile} 
 # ```
 
 # %%
-rows = record_runs(summaries, "04_gcbs_codesearch")
 for arm in [a for a in arms if a != "random"]:
     line = delta[f"{arm}/test_mrr"]  # Δ paired by seed; its 95 % interval over seeds × modules
     interval = "—" if line.best is None else f"[{line.best[0]:+.4f}, {line.best[1]:+.4f}]"

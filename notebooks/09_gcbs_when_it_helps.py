@@ -60,15 +60,16 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from gcbs_lib import verdict
 from gcbs_lib.comparison import (
     arms_table,
     committed_plan,
+    contrasts,
     outputs_of,
     plot_comparison,
     plot_over_seeds,
     record_runs,
     run_arms,
+    show_contrasts,
 )
 from gcbs_lib.experiments import get
 from gcbs_lib.gcbs import consecutive_batches, gcbs_permutation, same_group_pairs
@@ -264,35 +265,8 @@ CONTRASTS = {  # name: (arms summed, arms subtracted), paired by seed
 }
 
 
-def contrasts(records: list[dict]) -> dict:
-    """{(name, checkpoint): (Δ, low, high)} of test kNN accuracy for each of `CONTRASTS` whose
-    arms ran, at best-dev checkpoints and the last step, from the runs' per-item outputs (records
-    of `outputs_of`, or a committed outputs file's)."""
-    measured = {}
-    for checkpoint in ("best", "last"):
-        runs = {}
-        for record in records:
-            if record["checkpoint"] == checkpoint:
-                runs.setdefault(record["arm"], {})[record["seed"]] = record["outputs"]
-        ran = {n: pair for n, pair in CONTRASTS.items() if set(sum(pair, ())) <= set(runs)}
-        used = {arm: runs[arm] for pair in ran.values() for arm in sum(pair, ())}
-        intervals = verdict.bootstrap("simclr", used, list(ran.values()))
-        for name, pair in ran.items():
-            measured[name, checkpoint] = intervals[pair]["knn_accuracy"]
-    return measured
-
-
-def show(measured: dict) -> None:
-    """Print each contrast with its interval and call."""
-    for (name, checkpoint), (value, low, high) in measured.items():
-        call = "not resolved"
-        if low > 0 or high < 0:
-            call = f"{'above' if low > 0 else 'below'} 0, resolved"
-        print(f"{name:>24} at {checkpoint:>4}: {value:+.4f} [{low:+.4f}, {high:+.4f}]: {call}")
-
-
-measured = contrasts(outputs_of(summaries))
-show(measured)
+measured = contrasts("simclr", "knn_accuracy", outputs_of(summaries), CONTRASTS)
+show_contrasts(measured)
 
 # %% [markdown]
 # Left: dev kNN accuracy by step; middle: the loss gap of each arm's planned batches; right: each arm's test Δ
@@ -339,8 +313,8 @@ if committed_file.exists():
             committed[line.arm] = (line.delta, line.best, line.last_delta, line.last)
             low, high = line.best
             print(f"{line.arm:>13}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
-    committed_contrasts = contrasts(committed_records)
-    show(committed_contrasts)
+    committed_contrasts = contrasts("simclr", "knn_accuracy", committed_records, CONTRASTS)
+    show_contrasts(committed_contrasts)
     for name in ("I", "I_BN"):  # the interactions the committed run measured
         if (name, "best") in committed_contrasts:
             best = committed_contrasts[name, "best"]

@@ -46,7 +46,6 @@ nproc = 1  # with device "cuda": GPUs cuda:0 … cuda:nproc-1, each training one
 output_dir = "../runs/10_gcbs_regime"  # one folder per run; a finished run is loaded
 
 # %%
-import statistics
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -54,7 +53,13 @@ import torch
 from sklearn.datasets import make_blobs
 
 from gcbs_lib import verdict
-from gcbs_lib.comparison import arms_table, plot_comparison, record_runs, run_arms
+from gcbs_lib.comparison import (
+    arms_table,
+    plot_comparison,
+    plot_regime,
+    record_runs,
+    run_arms,
+)
 from gcbs_lib.gcbs import (
     consecutive_batches,
     graph_diagnostics,
@@ -187,43 +192,8 @@ plot_comparison(summaries, list(arms), "knn_accuracy", shown, f"SimCLR ({profile
 # $\log(N/B)$ there, and GCBS's batches differ from the next epoch on.
 
 
-# %%
-def regime_of(rows: list[dict]) -> dict:
-    """{arm: {diagnostic: mean over seeds and epochs}} of the runs' rows."""
-    values = {}
-    for row in rows:
-        name, at, _ = row["metric"].partition("@epoch")
-        if at:
-            values.setdefault(row["arm"], {}).setdefault(name, []).append(row["value"])
-    return {arm: {k: statistics.mean(v) for k, v in found.items()} for arm, found in values.items()}
-
-
-def plot_regime(lines: dict, rows: list[dict], title: str) -> None:
-    """Print each arm's diagnostics; draw its Δ (best dev, 95 %) and loss gap by k / B."""
-    diagnostics = regime_of(rows)
-    size = load_config("moco", rows[0]["profile"]).batch_size
-    _, (delta_axis, gap_axis) = plt.subplots(1, 2, figsize=(11, 3.2))
-    for arm, found in diagnostics.items():
-        print(f"{arm:>17}: " + "  ".join(f"{k} {v:.3f}" for k, v in sorted(found.items())))
-        line = lines.get(f"{arm}/test_knn_accuracy")
-        if line is None:
-            continue
-        x = found["neighbours"] / size
-        marker = "s" if arm == "gcbs" else "o"  # index ties: a square
-        low, high = line.best
-        delta_axis.errorbar(x, line.delta, [[line.delta - low], [high - line.delta]], fmt=marker)
-        delta_axis.annotate(arm, (x, line.delta), fontsize=7)
-        gap_axis.plot(x, found["loss_gap"], marker, color="C0")
-    delta_axis.axhline(0, color="grey", lw=0.8)
-    gap_axis.axhline(diagnostics["random"]["loss_gap"], color="grey", ls="--", label="random")
-    delta_axis.set(xscale="log", xlabel="k / B", ylabel="Δ test kNN vs random", title=title)
-    gap_axis.set(xscale="log", xlabel="k / B", ylabel="loss gap, mean of the epochs (nats)")
-    gap_axis.legend()
-    plt.tight_layout()
-
-
 # %% tags=["figure:delta-and-loss-gap-against-k-over-b"]
-plot_regime(lines, rows, f"SimCLR ({profile}, {data}): Δ by regime")
+plot_regime(lines, rows, "test_knn_accuracy", f"SimCLR ({profile}, {data}): Δ by regime")
 plt.show()
 
 # %% [markdown]
@@ -263,7 +233,9 @@ if committed_file.exists():
     ties_matter = calls["gcbs"] != calls["gcbs-random-ties"]
     print(f"the regime decides the sign: {sign_decided}; GCBS needs its regime: {needs_regime}")
     print(f"storage-order ties change the call: {ties_matter}")
-    plot_regime(committed, committed_rows, "SimCLR (cpu, Fashion-MNIST): Δ by regime")
+    plot_regime(
+        committed, committed_rows, "test_knn_accuracy", "SimCLR (cpu, Fashion-MNIST): Δ by regime"
+    )
     plt.show()
 else:
     print("no committed cpu run yet: python -m gcbs_lib.reproduce --profile cpu --only 10")

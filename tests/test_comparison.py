@@ -2,8 +2,10 @@
 process or on gloo ranks through torchrun (the tiny code-search encoder on planted pairs,
 `data_root` in conftest); and the helpers on hand-made run summaries."""
 
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +14,13 @@ from conftest import child_command_lines
 from gcbs_lib.comparison import (
     arm_configs,
     arms_table,
+    contrasts,
     first_gap_no_larger,
     plot_comparison,
     plot_over_seeds,
+    plot_regime,
     record_runs,
+    regime_of,
     rows_of,
     run_arms,
 )
@@ -264,3 +269,62 @@ def test_first_gap_no_larger_holds_only_when_it_holds_on_every_seed():
     assert first_gap_no_larger(SUMMARIES)  # 0.8 ≤ 1.0 and 1.2 ≤ 1.2
     worse = {**SUMMARIES, ("gcbs", 1): summary("gcbs", 1, 0.42, [1.3, 1.0], [0.2, 0.6])}
     assert not first_gap_no_larger(worse)
+
+
+def test_contrasts_are_measured_at_both_checkpoints_and_only_where_their_arms_ran():
+    ranks = {"random": [1, 2, 3, 4] * 10, "gcbs": [1, 1, 2, 3] * 10}  # gcbs: ranked higher
+    records = [
+        dict(experiment="codesearch", arm=arm, seed=seed, checkpoint=checkpoint)
+        | {"outputs": {"queries": {"rank": ranks[arm], "candidates": [1000] * 40}}}
+        for arm in ranks
+        for seed in (0, 1)
+        for checkpoint in ("best", "last")
+    ]
+    named = {
+        "gcbs − random": (("gcbs",), ("random",)),
+        "I": (("gcbs+mask", "random"), ("random+mask", "gcbs")),  # its masked arms never ran
+    }
+    measured = contrasts("codesearch", "mrr", records, named)
+    assert set(measured) == {("gcbs − random", "best"), ("gcbs − random", "last")}
+    mrr = {arm: statistics.mean(1 / r for r in found) for arm, found in ranks.items()}
+    delta, low, high = measured["gcbs − random", "best"]
+    assert delta == pytest.approx(mrr["gcbs"] - mrr["random"]) and 0 < low <= delta <= high
+
+
+def regime_rows(arm, neighbours, gaps):
+    rows = [
+        dict(SUMMARIES["random", 0]["rows"][0], arm=arm, metric=f"loss_gap@epoch{e}", value=gap)
+        for e, gap in enumerate(gaps)
+    ]
+    if neighbours is not None:
+        rows.append(dict(rows[0], metric="neighbours@epoch0", value=neighbours))
+    return rows
+
+
+def test_regime_of_averages_each_diagnostic_over_epochs_and_seeds():
+    rows = regime_rows("gcbs", 16, [1.0, 0.5]) + regime_rows("gcbs", 16, [0.9, 0.6])
+    rows += SUMMARIES["gcbs", 0]["rows"]  # a test score: no diagnostic
+    assert regime_of(rows) == {"gcbs": {"loss_gap": pytest.approx(0.75), "neighbours": 16}}
+
+
+def test_plot_regime_draws_each_gcbs_arms_delta_and_loss_gap_at_its_k_over_b(capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = regime_rows("random", None, [2.0]) + regime_rows("gcbs-k16", 16, [1.5])
+    rows += regime_rows("gcbs-k64", 64, [1.8])  # the simcse ci profile's batch: 32
+    lines = {
+        f"{arm}/test_spearman": SimpleNamespace(delta=delta, best=(delta - 0.1, delta + 0.1))
+        for arm, delta in (("gcbs-k16", -0.05), ("gcbs-k64", 0.02))
+    }
+    plot_regime(lines, rows, "test_spearman", "regime")
+    deltas, gaps = plt.gcf().axes
+    assert [line.get_xydata().tolist() for line in gaps.lines[:2]] == [[[0.5, 1.5]], [[2, 1.8]]]
+    assert deltas.get_title() == "regime" and [t.get_text() for t in deltas.texts] == [
+        "gcbs-k16",
+        "gcbs-k64",
+    ]
+    assert "gcbs-k64: loss_gap 1.800  neighbours 64.000" in capsys.readouterr().out
+    plt.close("all")
