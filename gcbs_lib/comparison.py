@@ -289,6 +289,8 @@ def contrasts(experiment: str, metric: str, records: list[dict], named: dict) ->
             if found["checkpoint"] == checkpoint:
                 runs.setdefault(found["arm"], {})[found["seed"]] = found["outputs"]
         ran = {name: pair for name, pair in named.items() if set(sum(pair, ())) <= set(runs)}
+        if not ran:
+            continue
         used = {arm: runs[arm] for pair in ran.values() for arm in sum(pair, ())}
         intervals = verdict.bootstrap(experiment, used, list(ran.values()))
         for name, pair in ran.items():

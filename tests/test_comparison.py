@@ -289,6 +289,7 @@ def test_contrasts_are_measured_at_both_checkpoints_and_only_where_their_arms_ra
     mrr = {arm: statistics.mean(1 / r for r in found) for arm, found in ranks.items()}
     delta, low, high = measured["gcbs − random", "best"]
     assert delta == pytest.approx(mrr["gcbs"] - mrr["random"]) and 0 < low <= delta <= high
+    assert contrasts("codesearch", "mrr", records, {"I": named["I"]}) == {}  # none ran
 
 
 def regime_rows(arm, neighbours, gaps):
