@@ -302,9 +302,10 @@ plt.show()
 #   0.100, so at k / B = 0.05 the mask takes out nearly as many false negatives from random batches.
 # - **Nor does BatchNorm** (the pre-registered reading fails again). With BatchNorm's statistics taken from a
 #   random reference batch, random+mask keeps its score (0.754 against 0.756) and still clears raw pixels;
-#   GCBS with the mask drops to 0.727 (from 0.736), and stays worse than random with the mask: −0.027 [−0.041,
-#   −0.014] at best dev, −0.025 [−0.038, −0.012] at the last step. I_BN = −0.008 [−0.025, +0.012] is not
-#   resolved. Homogeneous batches' statistics are not what costs GCBS here.
+#   GCBS with the mask drops to 0.727 (from 0.736; it no longer clears raw pixels, +0.023 [−0.008, +0.056]),
+#   and stays worse than random with the mask: −0.027 [−0.041, −0.014] at best dev, −0.025 [−0.038, −0.012] at
+#   the last step. I_BN = −0.008 [−0.025, +0.012] is not resolved. Homogeneous batches' statistics are not what
+#   costs GCBS here.
 # - **What is left** is the negatives themselves: with false negatives masked and BatchNorm's statistics fixed,
 #   GCBS's batches still train a worse kNN read-out, while they come far nearer the global loss (a loss gap of
 #   2.87 to 3.12 nats at the last epoch across the GCBS arms, against 3.76 to 3.78 for the random ones). This run does not test that directly; pruning same-class
