@@ -277,6 +277,12 @@ def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=N
     plt.show()
 
 
+MASK_CONTRASTS = {  # name: (arms summed, arms subtracted), paired by seed
+    "I": (("gcbs+mask", "random"), ("random+mask", "gcbs")),  # does the mask change GCBS's Δ?
+    "gcbs+mask − random+mask": (("gcbs+mask",), ("random+mask",)),
+}
+
+
 def contrasts(experiment: str, metric: str, records: list[dict], named: dict) -> dict:
     """{(name, checkpoint): (Δ, low, high)} of test `metric` (e.g. "mrr") for each contrast of
     `named`, {name: (arms summed, arms subtracted)} paired by seed, whose arms ran; at best-dev

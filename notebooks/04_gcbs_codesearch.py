@@ -79,6 +79,7 @@ import torch.nn.functional as F
 from gcbs_lib import experiments
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
+    MASK_CONTRASTS,
     arm_configs,
     arms_table,
     committed_plan,
@@ -366,11 +367,7 @@ plot_comparison(summaries, list(arms), "mrr", lines, f"code search dev MRR ({pro
 # gap of its batches.
 
 # %%
-CONTRASTS = {  # name: (arms summed, arms subtracted), paired by seed
-    "I": (("gcbs+mask", "random"), ("random+mask", "gcbs")),
-    "gcbs+mask − random+mask": (("gcbs+mask",), ("random+mask",)),
-}
-measured = contrasts("codesearch", "mrr", outputs_of(summaries), CONTRASTS)
+measured = contrasts("codesearch", "mrr", outputs_of(summaries), MASK_CONTRASTS)
 show_contrasts(measured)
 
 # %% tags=["figure:delta-and-loss-gap-against-k-over-b"]

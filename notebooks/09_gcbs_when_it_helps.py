@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from gcbs_lib.comparison import (
+    MASK_CONTRASTS,
     arms_table,
     committed_plan,
     contrasts,
@@ -258,8 +259,7 @@ rows = record_runs(summaries, "09_gcbs_when_it_helps")
 
 # %%
 CONTRASTS = {  # name: (arms summed, arms subtracted), paired by seed
-    "I": (("gcbs+mask", "random"), ("random+mask", "gcbs")),
-    "gcbs+mask − random+mask": (("gcbs+mask",), ("random+mask",)),
+    **MASK_CONTRASTS,
     "I_BN": (("gcbs+mask+bnref", "random+mask"), ("random+mask+bnref", "gcbs+mask")),
     "gcbs+mask+bnref − random+mask+bnref": (("gcbs+mask+bnref",), ("random+mask+bnref",)),
 }
