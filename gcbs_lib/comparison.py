@@ -348,6 +348,32 @@ def plot_regime(lines: dict, rows: list[dict], metric: str, title: str) -> None:
     plt.tight_layout()
 
 
+READINGS = (
+    "the regime decides the sign",
+    "GCBS needs its regime",
+    "storage-order ties change the call",
+)
+
+
+def regime_readings(lines: dict, metric: str) -> dict[str, tuple[bool, bool]]:
+    """The regime sweep's pre-registered readings, each at best dev and at the last step, from the
+    gated calls of `lines` ({"arm/metric": table line}) on `metric`: arm "gcbs" is GCBS at the
+    published q with index ties, "gcbs-random-ties" the same with random ties, "gcbs-k…" GCBS at
+    more neighbours (random ties)."""
+    wider = [line.arm for line in lines.values() if line.metric == metric and "gcbs-k" in line.arm]
+    held = []
+    for at in (0, 1):  # the best-dev checkpoint, the last step
+        sign = {}
+        for arm in ("gcbs", "gcbs-random-ties", *wider):
+            call = lines[f"{arm}/{metric}"].calls[at]
+            sign[arm] = call.endswith(" better") - call.endswith(" worse")
+        swept = [sign[arm] for arm in ("gcbs-random-ties", *wider)]
+        decides = {1, -1} <= set(swept)
+        needs = 1 in swept[1:] and swept[0] != 1
+        held.append((decides, needs, sign["gcbs"] != sign["gcbs-random-ties"]))
+    return dict(zip(READINGS, zip(*held)))
+
+
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:
     """Whether `arm`'s first batches had a loss gap ≤ the baseline's on every seed."""
     return all(
