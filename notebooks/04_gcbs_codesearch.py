@@ -88,13 +88,15 @@ from gcbs_lib.comparison import (
     plot_comparison,
     plot_regime,
     record_runs,
+    regime_readings,
     run_arms,
     show_contrasts,
 )
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import consecutive_batches, published_permutation, same_group_pairs
 from gcbs_lib.mining import mine_hard_negatives
-from gcbs_lib.results import deltas_text
+from gcbs_lib.results import COMMITTED, build_table, deltas_text
+from gcbs_lib.rows import read_outputs, read_rows
 from gcbs_lib.seeding import fixed_subset, generator
 from gcbs_lib.train import Trainer
 
@@ -404,16 +406,33 @@ for arm in [a for a in arms if a != "random"]:
     )
 
 # %% [markdown]
-# **What the committed `cpu` run says** (five pre-registered seeds, judged under protocol v2; the full table in
-# `docs/results.md`, from `results/04_gcbs_codesearch.cpu.json`). The comparison measures: fine-tuning lifts
-# test MRR over the pretrained start, random by +0.020 [+0.008, +0.031] and GCBS by +0.029 [+0.017, +0.039].
-# GCBS's own Δ is *not resolved*: +0.0095 [−0.0015, +0.0205] on best-dev checkpoints and +0.0060 [−0.0031,
-# +0.0152] on the last step, intervals that resample the 651 test queries by their 28 source modules and hold
-# both 0 and AdvTest's +0.020. (Resampled as independent queries, the best-dev interval lay above 0; queries of
-# one module are not independent.) The diagnostics show GCBS doing what it promises: its batches' loss gap is
-# smaller at both epoch starts, and they hold more pairs from one source file. Its regime is far from the
-# paper's: k = (1 − q)·N = 5.1 neighbours per item, 0.08 of a batch, against about 250 in AdvTest; the start's
-# graph has 7.2 edges per item and leaves 6 % of the items without one.
+# ## 9 · What the committed `cpu` run says
+#
+# PROSE AFTER THE RUN
+
+# %% tags=["figure:committed-delta-against-k-over-b"]
+committed_file = COMMITTED / "04_gcbs_codesearch.cpu.json"
+if committed_file.exists():
+    committed_rows = read_rows(committed_file)
+    committed_records = read_outputs(committed_file)
+    table = build_table(committed_rows, "", committed_records)
+    committed = {f"{line.arm}/{line.metric}": line for line in table if line.metric == "test_mrr"}
+    for line in committed.values():
+        low, high = line.best
+        print(f"{line.arm:>16}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
+    show_contrasts(contrasts("codesearch", "mrr", committed_records, MASK_CONTRASTS))
+    for reading, (best, last) in regime_readings(committed, "test_mrr").items():
+        print(f"{reading}: {best} at best dev, {last} at the last step")
+    pruned = [call.endswith(" better") for call in committed["gcbs-pruned/test_mrr"].calls]
+    print(
+        f"harder negatives from other files help: {pruned[0]} at best dev, {pruned[1]} at the last step"
+    )
+    plot_regime(
+        committed, committed_rows, "test_mrr", "code search (cpu, stdlib stand-in): Δ by regime"
+    )
+    plt.show()
+else:
+    print("no committed cpu run yet: python -m gcbs_lib.reproduce --profile cpu --only 04")
 
 # %% [markdown]
 # ## Checks
