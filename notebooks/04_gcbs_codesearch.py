@@ -386,9 +386,9 @@ plt.show()
 # ## 8 · Against the paper
 #
 # Read the measured Δ with the differences in mind: the `cpu` profile fine-tunes a small pretrained encoder that
-# has already seen CodeSearchNet, for UniXcoder's 2 AdvTest epochs on 5,105 stand-in pairs at 32 / 64 tokens,
-# where the paper fine-tunes UniXcoder on 19k–250k real pairs at 128 / 256 tokens, and reports one run per
-# dataset. A verdict here is about this stand-in and this encoder; one about the paper's claim needs the `paper`
+# has already seen CodeSearchNet, for one epoch (UniXcoder's AdvTest script runs two) on 5,105 stand-in pairs at
+# 32 / 64 tokens, where the paper fine-tunes UniXcoder on 19k–250k real pairs at 128 / 256 tokens, and reports
+# one run per dataset. A verdict here is about this stand-in and this encoder; one about the paper's claim needs the `paper`
 # profile (`notebooks/params/04_gcbs_codesearch.paper.yaml`, on GPUs):
 #
 # ```
