@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator
 from gcbs_lib import results, verdict
 from gcbs_lib.check import require
 from gcbs_lib.launcher import launch
-from gcbs_lib.rows import read_rows, record
+from gcbs_lib.rows import read_outputs, read_rows, record
 from gcbs_lib.train import Trainer, load_config, train
 
 
@@ -163,6 +163,26 @@ def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: 
         over = "" if minutes <= budget_minutes else " (over budget)"
         print(f"n = {n:2d} seeds: Δ ± {h:.4f}, {minutes:4.0f} min{over}")
     return half
+
+
+def committed_run(notebook: str, metric: str) -> tuple[dict, list[dict], list[dict]] | None:
+    """The committed `cpu` run of `notebook` (results/): its table lines of `metric` {"arm/metric":
+    line}, each printed with its best-dev Δ, interval and verdict; its rows; its per-item output
+    records. None, said with the command that makes it, where none is committed."""
+    found = results.COMMITTED / f"{notebook}.cpu.json"
+    if not found.exists():
+        command = f"python -m gcbs_lib.reproduce --profile cpu --only {notebook[:2]}"
+        print(f"no committed cpu run yet: {command}")
+        return None
+    rows = read_rows(found)
+    records = read_outputs(found)
+    lines = {}
+    for line in results.build_table(rows, "", records):
+        if line.metric == metric:
+            low, high = line.best
+            print(f"{line.arm:>17}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
+            lines[f"{line.arm}/{metric}"] = line
+    return lines, rows, records
 
 
 def rows_of(summaries: dict) -> list[dict]:

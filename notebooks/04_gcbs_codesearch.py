@@ -83,6 +83,7 @@ from gcbs_lib.comparison import (
     arm_configs,
     arms_table,
     committed_plan,
+    committed_run,
     contrasts,
     outputs_of,
     plot_comparison,
@@ -95,8 +96,7 @@ from gcbs_lib.comparison import (
 from gcbs_lib.experiments import to_device
 from gcbs_lib.gcbs import consecutive_batches, published_permutation, same_group_pairs
 from gcbs_lib.mining import mine_hard_negatives
-from gcbs_lib.results import COMMITTED, build_table, deltas_text
-from gcbs_lib.rows import read_outputs, read_rows
+from gcbs_lib.results import deltas_text
 from gcbs_lib.seeding import fixed_subset, generator
 from gcbs_lib.train import Trainer
 
@@ -411,28 +411,23 @@ for arm in [a for a in arms if a != "random"]:
 # PROSE AFTER THE RUN
 
 # %% tags=["figure:committed-delta-against-k-over-b"]
-committed_file = COMMITTED / "04_gcbs_codesearch.cpu.json"
-if committed_file.exists():
-    committed_rows = read_rows(committed_file)
-    committed_records = read_outputs(committed_file)
-    table = build_table(committed_rows, "", committed_records)
-    committed = {f"{line.arm}/{line.metric}": line for line in table if line.metric == "test_mrr"}
-    for line in committed.values():
-        low, high = line.best
-        print(f"{line.arm:>16}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
+committed = committed_run("04_gcbs_codesearch", "test_mrr")
+if committed:
+    committed_lines, committed_rows, committed_records = committed
     show_contrasts(contrasts("codesearch", "mrr", committed_records, MASK_CONTRASTS))
-    for reading, (best, last) in regime_readings(committed, "test_mrr").items():
+    for reading, (best, last) in regime_readings(committed_lines, "test_mrr").items():
         print(f"{reading}: {best} at best dev, {last} at the last step")
-    pruned = [call.endswith(" better") for call in committed["gcbs-pruned/test_mrr"].calls]
+    pruned = [call.endswith(" better") for call in committed_lines["gcbs-pruned/test_mrr"].calls]
     print(
         f"harder negatives from other files help: {pruned[0]} at best dev, {pruned[1]} at the last step"
     )
     plot_regime(
-        committed, committed_rows, "test_mrr", "code search (cpu, stdlib stand-in): Δ by regime"
+        committed_lines,
+        committed_rows,
+        "test_mrr",
+        "code search (cpu, stdlib stand-in): Δ by regime",
     )
     plt.show()
-else:
-    print("no committed cpu run yet: python -m gcbs_lib.reproduce --profile cpu --only 04")
 
 # %% [markdown]
 # ## Checks

@@ -54,6 +54,7 @@ from sklearn.datasets import make_blobs
 
 from gcbs_lib.comparison import (
     arms_table,
+    committed_run,
     plot_comparison,
     plot_regime,
     record_runs,
@@ -68,8 +69,6 @@ from gcbs_lib.gcbs import (
     published_graph,
     same_group_pairs,
 )
-from gcbs_lib.results import COMMITTED, build_table
-from gcbs_lib.rows import read_outputs, read_rows
 from gcbs_lib.train import load_config
 
 settings = {**overrides, "device": device, "data": data}
@@ -215,23 +214,18 @@ plt.show()
 
 
 # %% tags=["figure:committed-delta-against-k-over-b"]
-committed_file = COMMITTED / "10_gcbs_regime.cpu.json"
-if committed_file.exists():
-    committed_rows = read_rows(committed_file)
-    table = build_table(committed_rows, "", read_outputs(committed_file))
-    committed = {f"{line.arm}/{line.metric}": line for line in table if line.delta is not None}
-    for line in committed.values():
-        if line.metric == "test_knn_accuracy":
-            low, high = line.best
-            print(f"{line.arm:>17}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
-    for reading, (best, last) in regime_readings(committed, "test_knn_accuracy").items():
+committed = committed_run("10_gcbs_regime", "test_knn_accuracy")
+if committed:
+    committed_lines, committed_rows, _ = committed
+    for reading, (best, last) in regime_readings(committed_lines, "test_knn_accuracy").items():
         print(f"{reading}: {best} at best dev, {last} at the last step")
     plot_regime(
-        committed, committed_rows, "test_knn_accuracy", "SimCLR (cpu, Fashion-MNIST): Δ by regime"
+        committed_lines,
+        committed_rows,
+        "test_knn_accuracy",
+        "SimCLR (cpu, Fashion-MNIST): Δ by regime",
     )
     plt.show()
-else:
-    print("no committed cpu run yet: python -m gcbs_lib.reproduce --profile cpu --only 10")
 
 # ## Checks
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 from conftest import child_command_lines
 
+from gcbs_lib import results
 from gcbs_lib.comparison import (
     arm_configs,
     arms_table,
+    committed_run,
     contrasts,
     first_gap_no_larger,
     plot_comparison,
@@ -362,3 +364,12 @@ def test_regime_readings_come_from_the_gated_calls_at_each_checkpoint():
 def test_regime_readings_hold_nothing_where_the_gate_failed():
     lines = regime_lines(gcbs=("", ""), gcbs_random_ties=("", ""), gcbs_k20=("", ""))
     assert set(regime_readings(lines, "test_mrr").values()) == {(False, False)}
+
+
+def test_a_notebook_without_a_committed_cpu_run_is_told_the_command_that_makes_one(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(results, "COMMITTED", tmp_path)
+    assert committed_run("04_gcbs_codesearch", "test_mrr") is None
+    said = capsys.readouterr().out
+    assert "python -m gcbs_lib.reproduce --profile cpu --only 04" in said
