@@ -94,7 +94,14 @@ from gcbs_lib.comparison import (
     show_contrasts,
 )
 from gcbs_lib.experiments import to_device
-from gcbs_lib.gcbs import consecutive_batches, published_permutation, same_group_pairs
+from gcbs_lib.gcbs import (
+    consecutive_batches,
+    graph_diagnostics,
+    published_graph,
+    published_permutation,
+    same_group_pairs,
+    without_group_edges,
+)
 from gcbs_lib.mining import mine_hard_negatives
 from gcbs_lib.results import deltas_text
 from gcbs_lib.seeding import fixed_subset, generator
@@ -224,6 +231,18 @@ modules = train_set.groups[:n]
 same_module = {name: same_group_pairs(batches, modules) for name, batches in ordered.items()}
 print(", ".join(f"{name} {100 * share:.2f} %" for name, share in same_module.items()), end=" ")
 print("of in-batch pairs come from one source file")
+
+# %% [markdown]
+# GCBS puts them together through the graph's edges: a pair's code often resembles most the codes of its own
+# file. `gcbs_prune_groups` (section 7) deletes those edges before RCM (`gcbs.without_group_edges`):
+
+# %%
+graph = published_graph(z1, z2, base.gcbs_quantile)
+linked = graph_diagnostics(graph)["edges_per_item"]
+apart = graph_diagnostics(without_group_edges(graph, modules))["edges_per_item"]
+print(
+    f"the published graph: {linked:.2f} edges an item, {apart:.2f} between different source files"
+)
 
 # %% [markdown]
 # The arms draw different batches but are scored on the same items: a limit on the dev or test pairs

@@ -417,6 +417,23 @@ def test_shuffled_batch_order_keeps_every_planned_batch_and_changes_only_their_o
     assert planned != shuffled and sorted(planned) == sorted(shuffled)
 
 
+def test_a_pruned_arm_reports_the_graph_it_orders_not_the_graph_before_pruning(tmp_path, data_root):
+    config = load_config("codesearch", "ci", settings(data_root, sampler="gcbs", gcbs_neighbours=8))
+    config.gcbs_prune_groups = True
+    trainer = Trainer(config, tmp_path)
+    groups = trainer._groups(torch.arange(192))
+    codes = torch.tensor([sorted(set(groups)).index(g) for g in groups])
+    noise = torch.randn(192, 8, generator=torch.Generator().manual_seed(0))
+    z = torch.nn.functional.normalize(torch.eye(8)[codes % 8] + 0.1 * noise, dim=1)
+    graph = gcbs_lib.gcbs.published_graph(z, z, trainer._quantile(192))  # items near their group
+    _, diagnostics = trainer._sample(z, z, torch.arange(192))
+    pruned = gcbs_lib.gcbs.without_group_edges(graph, groups)
+    assert (
+        diagnostics["edges_per_item"] == gcbs_lib.gcbs.graph_diagnostics(pruned)["edges_per_item"]
+    )
+    assert diagnostics["edges_per_item"] < gcbs_lib.gcbs.graph_diagnostics(graph)["edges_per_item"]
+
+
 def test_more_gcbs_neighbours_than_items_are_refused_naming_n(tmp_path, data_root):
     config = load_config("codesearch", "ci", settings(data_root, gcbs_neighbours=193))
     with pytest.raises(ValueError, match="gcbs_neighbours must be at most N = 192"):
