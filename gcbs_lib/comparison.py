@@ -345,14 +345,15 @@ def regime_of(rows: list[dict]) -> dict:
 
 def plot_regime(lines: dict, rows: list[dict], metric: str, title: str) -> None:
     """Print each arm's diagnostics (`regime_of`); draw the Δ of `metric` (best dev, 95 %) of each
-    GCBS arm in `lines` ("arm/metric": line) and the loss gap of its batches against its k / B."""
+    arm of the regime sweep in `lines` ("arm/metric": line) and the loss gap of its batches
+    against its k / B."""
     diagnostics = regime_of(rows)
     size = load_config(rows[0]["experiment"], rows[0]["profile"]).batch_size
     _, (delta_axis, gap_axis) = plt.subplots(1, 2, figsize=(11, 3.2))
     for arm, found in diagnostics.items():
         print(f"{arm:>17}: " + "  ".join(f"{k} {v:.3f}" for k, v in sorted(found.items())))
         line = lines.get(f"{arm}/{metric}")
-        if line is None or "neighbours" not in found:
+        if line is None or not _in_regime_sweep(arm):
             continue
         x = found["neighbours"] / size
         marker = "s" if arm == "gcbs" else "o"  # index ties: a square
@@ -368,30 +369,41 @@ def plot_regime(lines: dict, rows: list[dict], metric: str, title: str) -> None:
     plt.tight_layout()
 
 
-READINGS = (
-    "the regime decides the sign",
-    "GCBS needs its regime",
-    "storage-order ties change the call",
-)
+def _in_regime_sweep(arm: str) -> bool:
+    """Whether `arm` is one of the regime sweep's: GCBS at the published q ("gcbs", index ties;
+    "gcbs-random-ties") or at k neighbours an item ("gcbs-k…", random ties)."""
+    return arm in ("gcbs", "gcbs-random-ties") or arm.startswith("gcbs-k")
 
 
 def regime_readings(lines: dict, metric: str) -> dict[str, tuple[bool, bool]]:
     """The regime sweep's pre-registered readings, each at best dev and at the last step, from the
-    gated calls of `lines` ({"arm/metric": table line}) on `metric`: arm "gcbs" is GCBS at the
-    published q with index ties, "gcbs-random-ties" the same with random ties, "gcbs-k…" GCBS at
-    more neighbours (random ties)."""
-    wider = [line.arm for line in lines.values() if line.metric == metric and "gcbs-k" in line.arm]
-    held = []
+    gated calls of `lines` ({"arm/metric": table line}) on `metric`:
+    - the regime decides the sign: among gcbs-random-ties and the gcbs-k… arms, one Δ is resolved
+      above 0 and another below 0;
+    - GCBS needs its regime: a gcbs-k… Δ is resolved above 0, gcbs-random-ties' is not;
+    - storage-order ties change the call: gcbs and gcbs-random-ties are called differently.
+    A reading holds only where the arms it compares have a call (passed the gate)."""
+    for arm in ("gcbs", "gcbs-random-ties"):
+        require(f"{arm}/{metric}" in lines, f"the regime sweep needs arm {arm!r} on {metric}")
+    wider = [
+        line.arm
+        for line in lines.values()
+        if line.metric == metric and line.arm.startswith("gcbs-k")
+    ]
+    readings = {
+        "the regime decides the sign": [],
+        "GCBS needs its regime": [],
+        "storage-order ties change the call": [],
+    }
     for at in (0, 1):  # the best-dev checkpoint, the last step
-        sign = {}
-        for arm in ("gcbs", "gcbs-random-ties", *wider):
-            call = lines[f"{arm}/{metric}"].calls[at]
-            sign[arm] = call.endswith(" better") - call.endswith(" worse")
-        swept = [sign[arm] for arm in ("gcbs-random-ties", *wider)]
-        decides = {1, -1} <= set(swept)
-        needs = 1 in swept[1:] and swept[0] != 1
-        held.append((decides, needs, sign["gcbs"] != sign["gcbs-random-ties"]))
-    return dict(zip(READINGS, zip(*held)))
+        index_ties = verdict.call_sign(lines[f"gcbs/{metric}"].calls[at])
+        published = verdict.call_sign(lines[f"gcbs-random-ties/{metric}"].calls[at])
+        wider_signs = [verdict.call_sign(lines[f"{arm}/{metric}"].calls[at]) for arm in wider]
+        readings["the regime decides the sign"].append({1, -1} <= {published, *wider_signs})
+        readings["GCBS needs its regime"].append(1 in wider_signs and published in (0, -1))
+        compared = None not in (index_ties, published)
+        readings["storage-order ties change the call"].append(compared and index_ties != published)
+    return {reading: tuple(held) for reading, held in readings.items()}
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:

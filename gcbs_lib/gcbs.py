@@ -8,7 +8,8 @@ edge land close together, hence mostly in one batch. Two orders, S taken in row 
 - `published_permutation`: the paper's minimal code, index for index (threshold: `statistics.median`
   of the quantiles of S's 10-row chunks, diagonal included; directed edges), the RCM order of
   `published_graph`; the trainer's controls: `without_group_edges` deletes same-group edges,
-  `graph_order` breaks RCM's ties at random; `graph_diagnostics` says how many edges a graph has;
+  `graph_order` orders a graph by RCM (its ties at random with `relabel`); `graph_diagnostics`
+  says how many edges a graph has;
 - `gcbs_permutation`, the kit's variant: the exact quantile of the off-diagonal S_ij (a sampled
   lower bound, one pass keeping the candidates), undirected edges, nodes relabelled at random.
 `consecutive_batches` cuts an order into batches; `loss_gap` measures what an order achieves."""

@@ -106,6 +106,7 @@ from gcbs_lib.mining import mine_hard_negatives
 from gcbs_lib.results import deltas_text
 from gcbs_lib.seeding import fixed_subset, generator
 from gcbs_lib.train import Trainer
+from gcbs_lib.verdict import call_sign
 
 # %%
 settings = {
@@ -233,8 +234,8 @@ print(", ".join(f"{name} {100 * share:.2f} %" for name, share in same_module.ite
 print("of in-batch pairs come from one source file")
 
 # %% [markdown]
-# GCBS puts them together through the graph's edges: a pair's code often resembles most the codes of its own
-# file. `gcbs_prune_groups` (section 7) deletes those edges before RCM (`gcbs.without_group_edges`):
+# GCBS puts them together through the graph's edges, and some of a pair's edges lead to codes of its own file.
+# `gcbs_prune_groups` (section 7) deletes those edges before RCM (`gcbs.without_group_edges`):
 
 # %%
 graph = published_graph(z1, z2, base.gcbs_quantile)
@@ -384,21 +385,15 @@ plot_comparison(summaries, list(arms), "mrr", lines, f"code search dev MRR ({pro
 # $$I = (\text{gcbs+mask} - \text{random+mask}) - (\text{gcbs} - \text{random})$$
 #
 # is one more contrast of the verdict's bootstrap (seeds and test modules drawn alike for the four arms).
-# Printed here for the arms that ran, then the figure: each GCBS arm's Δ against its $k / B$, beside the loss
-# gap of its batches.
+# Printed here for the arms that ran, then the figure: the Δ of each arm of the regime sweep (`gcbs`,
+# `gcbs-random-ties`, `gcbs-k…`) against its $k / B$, beside the loss gap of its batches.
 
 # %%
 measured = contrasts("codesearch", "mrr", outputs_of(summaries), MASK_CONTRASTS)
 show_contrasts(measured)
 
 # %% tags=["figure:delta-and-loss-gap-against-k-over-b"]
-swept = [
-    arm
-    for arm, chosen in arms.items()
-    if chosen["sampler"] == "gcbs" and set(chosen) <= {"sampler", "gcbs_neighbours", "gcbs_ties"}
-]
-regime_lines = {f"{arm}/test_mrr": delta[f"{arm}/test_mrr"] for arm in swept}
-plot_regime(regime_lines, rows, "test_mrr", f"code search ({profile}): Δ by regime")
+plot_regime(delta, rows, "test_mrr", f"code search ({profile}): Δ by regime")
 plt.show()
 
 # %% [markdown]
@@ -436,7 +431,7 @@ if committed:
     show_contrasts(contrasts("codesearch", "mrr", committed_records, MASK_CONTRASTS))
     for reading, (best, last) in regime_readings(committed_lines, "test_mrr").items():
         print(f"{reading}: {best} at best dev, {last} at the last step")
-    pruned = [call.endswith(" better") for call in committed_lines["gcbs-pruned/test_mrr"].calls]
+    pruned = [call_sign(call) == 1 for call in committed_lines["gcbs-pruned/test_mrr"].calls]
     print(
         f"harder negatives from other files help: {pruned[0]} at best dev, {pruned[1]} at the last step"
     )

@@ -351,8 +351,10 @@ def test_regime_readings_come_from_the_gated_calls_at_each_checkpoint():
         gcbs_k20=("gcbs-k20 worse", "not resolved"),
         gcbs_k250=("gcbs-k250 better", "gcbs-k250 better"),
     )
-    lines["gcbs-pruned/test_mrr"] = SimpleNamespace(  # not in the sweep
-        arm="gcbs-pruned", metric="test_mrr", calls=("gcbs-pruned worse", "")
+    lines["gcbs-pruned/test_mrr"] = (
+        SimpleNamespace(  # not in the sweep: else a sign at the last step
+            arm="gcbs-pruned", metric="test_mrr", calls=("", "gcbs-pruned worse")
+        )
     )
     assert regime_readings(lines, "test_mrr") == {
         "the regime decides the sign": (True, False),
@@ -363,6 +365,25 @@ def test_regime_readings_come_from_the_gated_calls_at_each_checkpoint():
 
 def test_regime_readings_hold_nothing_where_the_gate_failed():
     lines = regime_lines(gcbs=("", ""), gcbs_random_ties=("", ""), gcbs_k20=("", ""))
+    assert set(regime_readings(lines, "test_mrr").values()) == {(False, False)}
+
+
+def test_regime_readings_compare_signs_not_names_and_only_arms_that_passed_the_gate():
+    lines = regime_lines(
+        gcbs=("GCBS worse", ""),  # the last step: gated out
+        gcbs_random_ties=("gcbs-random-ties worse", "not resolved"),
+        gcbs_k20=("gcbs-k20 better", "gcbs-k20 better"),
+    )
+    assert regime_readings(lines, "test_mrr") == {
+        "the regime decides the sign": (True, False),
+        "GCBS needs its regime": (True, True),
+        "storage-order ties change the call": (False, False),
+    }
+    lines = regime_lines(
+        gcbs=("not resolved", "not resolved"),
+        gcbs_random_ties=("", ""),
+        gcbs_k20=("gcbs-k20 better", "gcbs-k20 worse"),
+    )
     assert set(regime_readings(lines, "test_mrr").values()) == {(False, False)}
 
 

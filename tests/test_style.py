@@ -40,8 +40,11 @@ CORE = ["gradcache", "batches", "losses", "gcbs", "mining", "distributed", "seed
 # for `committed_run` (+15): loading and printing a committed cpu run, written out in notebooks 04,
 # 09 and 10 alike. Core 759 and package 4,200 for `without_group_edges` (+2 core, +1 trainer): a
 # pruned arm's graph diagnostics had described the graph before its same-file edges were deleted.
+# 4,211 after a review: the regime readings hold only where the arms they compare passed the gate
+# (`verdict.call_sign`, None for no call; +8), and the regime figure draws the sweep's arms only
+# (+3; notebook 04 had drawn its mask and pruned arms at k / B = 0.08 and lost 6 lines).
 CORE_BUDGET = 759
-PACKAGE_BUDGET = 4200
+PACKAGE_BUDGET = 4211
 
 
 def python_files():
