@@ -340,7 +340,10 @@ def regime_of(rows: list[dict]) -> dict:
         name, at, _ = row["metric"].partition("@epoch")
         if at:
             values.setdefault(row["arm"], {}).setdefault(name, []).append(row["value"])
-    return {arm: {k: statistics.mean(v) for k, v in found.items()} for arm, found in values.items()}
+    means = {}
+    for arm, found in values.items():
+        means[arm] = {diagnostic: statistics.mean(v) for diagnostic, v in found.items()}
+    return means
 
 
 def plot_regime(lines: dict, rows: list[dict], metric: str, title: str) -> None:

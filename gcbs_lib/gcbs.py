@@ -123,7 +123,8 @@ def _candidates(
     """One pass over S: flat indices i·N + j and values of the off-diagonal entries ≥ bound. Past
     2·keep held entries, the bound rises to the keep-th largest of them: memory stays O(keep)."""
     n = len(u1)
-    flats, values = [], []
+    flats = []
+    values = []
     held = 0
     for start, block in _blocks(u1, u2):
         flat, value = _at_least(block, bound)
@@ -131,10 +132,12 @@ def _candidates(
         values.append(value)
         held += len(value)
         if held > 2 * keep:
-            flat, value = np.concatenate(flats), np.concatenate(values)
+            flat = np.concatenate(flats)
+            value = np.concatenate(values)
             bound = float(np.partition(value, len(value) - keep)[len(value) - keep])
             kept = value >= bound
-            flats, values = [flat[kept]], [value[kept]]
+            flats = [flat[kept]]
+            values = [value[kept]]
             held = int(kept.sum())
     return np.concatenate(flats), np.concatenate(values)
 
