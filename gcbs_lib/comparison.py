@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator
 from gcbs_lib import results, verdict
 from gcbs_lib.check import require
 from gcbs_lib.launcher import launch
-from gcbs_lib.rows import read_rows, record
+from gcbs_lib.rows import read_outputs, read_rows, record
 from gcbs_lib.train import Trainer, load_config, train
 
 
@@ -165,6 +165,26 @@ def committed_plan(notebook: str, experiment: str, metric: str, budget_minutes: 
     return half
 
 
+def committed_run(notebook: str, metric: str) -> tuple[dict, list[dict], list[dict]] | None:
+    """The committed `cpu` run of `notebook` (results/): its table lines of `metric` {"arm/metric":
+    line}, each printed with its best-dev Δ, interval and verdict; its rows; its per-item output
+    records. None, said with the command that makes it, where none is committed."""
+    found = results.COMMITTED / f"{notebook}.cpu.json"
+    if not found.exists():
+        command = f"python -m gcbs_lib.reproduce --profile cpu --only {notebook[:2]}"
+        print(f"no committed cpu run yet: {command}")
+        return None
+    rows = read_rows(found)
+    records = read_outputs(found)
+    lines = {}
+    for line in results.build_table(rows, "", records):
+        if line.metric == metric:
+            low, high = line.best
+            print(f"{line.arm:>17}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
+            lines[f"{line.arm}/{metric}"] = line
+    return lines, rows, records
+
+
 def rows_of(summaries: dict) -> list[dict]:
     """Every run's result rows, run after run."""
     return [row for summary in summaries.values() for row in summary["rows"]]
@@ -277,6 +297,12 @@ def plot_comparison(summaries: dict, arms, key: str, lines, title: str, labels=N
     plt.show()
 
 
+MASK_CONTRASTS = {  # name: (arms summed, arms subtracted), paired by seed
+    "I": (("gcbs+mask", "random"), ("random+mask", "gcbs")),  # does the mask change GCBS's Δ?
+    "gcbs+mask − random+mask": (("gcbs+mask",), ("random+mask",)),
+}
+
+
 def contrasts(experiment: str, metric: str, records: list[dict], named: dict) -> dict:
     """{(name, checkpoint): (Δ, low, high)} of test `metric` (e.g. "mrr") for each contrast of
     `named`, {name: (arms summed, arms subtracted)} paired by seed, whose arms ran; at best-dev
@@ -314,19 +340,23 @@ def regime_of(rows: list[dict]) -> dict:
         name, at, _ = row["metric"].partition("@epoch")
         if at:
             values.setdefault(row["arm"], {}).setdefault(name, []).append(row["value"])
-    return {arm: {k: statistics.mean(v) for k, v in found.items()} for arm, found in values.items()}
+    means = {}
+    for arm, found in values.items():
+        means[arm] = {diagnostic: statistics.mean(v) for diagnostic, v in found.items()}
+    return means
 
 
 def plot_regime(lines: dict, rows: list[dict], metric: str, title: str) -> None:
     """Print each arm's diagnostics (`regime_of`); draw the Δ of `metric` (best dev, 95 %) of each
-    GCBS arm in `lines` ("arm/metric": line) and the loss gap of its batches against its k / B."""
+    arm of the regime sweep in `lines` ("arm/metric": line) and the loss gap of its batches
+    against its k / B."""
     diagnostics = regime_of(rows)
     size = load_config(rows[0]["experiment"], rows[0]["profile"]).batch_size
     _, (delta_axis, gap_axis) = plt.subplots(1, 2, figsize=(11, 3.2))
     for arm, found in diagnostics.items():
         print(f"{arm:>17}: " + "  ".join(f"{k} {v:.3f}" for k, v in sorted(found.items())))
         line = lines.get(f"{arm}/{metric}")
-        if line is None or "neighbours" not in found:
+        if line is None or not _in_regime_sweep(arm):
             continue
         x = found["neighbours"] / size
         marker = "s" if arm == "gcbs" else "o"  # index ties: a square
@@ -340,6 +370,43 @@ def plot_regime(lines: dict, rows: list[dict], metric: str, title: str) -> None:
     gap_axis.set(xscale="log", xlabel="k / B", ylabel="loss gap, mean of the epochs (nats)")
     gap_axis.legend()
     plt.tight_layout()
+
+
+def _in_regime_sweep(arm: str) -> bool:
+    """Whether `arm` is one of the regime sweep's: GCBS at the published q ("gcbs", index ties;
+    "gcbs-random-ties") or at k neighbours an item ("gcbs-k…", random ties)."""
+    return arm in ("gcbs", "gcbs-random-ties") or arm.startswith("gcbs-k")
+
+
+def regime_readings(lines: dict, metric: str) -> dict[str, tuple[bool, bool]]:
+    """The regime sweep's pre-registered readings, each at best dev and at the last step, from the
+    gated calls of `lines` ({"arm/metric": table line}) on `metric`:
+    - the regime decides the sign: among gcbs-random-ties and the gcbs-k… arms, one Δ is resolved
+      above 0 and another below 0;
+    - GCBS needs its regime: a gcbs-k… Δ is resolved above 0, gcbs-random-ties' is not;
+    - storage-order ties change the call: gcbs and gcbs-random-ties are called differently.
+    A reading holds only where the arms it compares have a call (passed the gate)."""
+    for arm in ("gcbs", "gcbs-random-ties"):
+        require(f"{arm}/{metric}" in lines, f"the regime sweep needs arm {arm!r} on {metric}")
+    wider = [
+        line.arm
+        for line in lines.values()
+        if line.metric == metric and line.arm.startswith("gcbs-k")
+    ]
+    readings = {
+        "the regime decides the sign": [],
+        "GCBS needs its regime": [],
+        "storage-order ties change the call": [],
+    }
+    for at in (0, 1):  # the best-dev checkpoint, the last step
+        index_ties = verdict.call_sign(lines[f"gcbs/{metric}"].calls[at])
+        published = verdict.call_sign(lines[f"gcbs-random-ties/{metric}"].calls[at])
+        wider_signs = [verdict.call_sign(lines[f"{arm}/{metric}"].calls[at]) for arm in wider]
+        readings["the regime decides the sign"].append({1, -1} <= {published, *wider_signs})
+        readings["GCBS needs its regime"].append(1 in wider_signs and published in (0, -1))
+        compared = None not in (index_ties, published)
+        readings["storage-order ties change the call"].append(compared and index_ties != published)
+    return {reading: tuple(held) for reading, held in readings.items()}
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:

@@ -107,12 +107,14 @@ def rank_difference(tensors: Iterable[torch.Tensor]) -> float:
 
     largest = 0.0
     for tensor in tensors:
-        high, low = tensor.clone(), tensor.clone()
+        high = tensor.clone()
+        low = tensor.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
-
-        # below, inf − inf counts as 0
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        largest = max(largest, float((high.double() - low.double()).nan_to_num(nan=0.0).max()))
+
+        # inf − inf counts as 0
+        spread = (high.double() - low.double()).nan_to_num(nan=0.0)
+        largest = max(largest, float(spread.max()))
     return largest
 
 

@@ -7,8 +7,9 @@ edge land close together, hence mostly in one batch. Two orders, S taken in row 
 
 - `published_permutation`: the paper's minimal code, index for index (threshold: `statistics.median`
   of the quantiles of S's 10-row chunks, diagonal included; directed edges), the RCM order of
-  `published_graph`; `graph_order` orders a graph with the trainer's controls (same-group edges
-  deleted, ties broken at random), `graph_diagnostics` says how many edges it has;
+  `published_graph`; the trainer's controls: `without_group_edges` deletes same-group edges,
+  `graph_order` orders a graph by RCM (its ties at random with `relabel`); `graph_diagnostics`
+  says how many edges a graph has;
 - `gcbs_permutation`, the kit's variant: the exact quantile of the off-diagonal S_ij (a sampled
   lower bound, one pass keeping the candidates), undirected edges, nodes relabelled at random.
 `consecutive_batches` cuts an order into batches; `loss_gap` measures what an order achieves."""
@@ -122,7 +123,8 @@ def _candidates(
     """One pass over S: flat indices i·N + j and values of the off-diagonal entries ≥ bound. Past
     2·keep held entries, the bound rises to the keep-th largest of them: memory stays O(keep)."""
     n = len(u1)
-    flats, values = [], []
+    flats = []
+    values = []
     held = 0
     for start, block in _blocks(u1, u2):
         flat, value = _at_least(block, bound)
@@ -130,10 +132,12 @@ def _candidates(
         values.append(value)
         held += len(value)
         if held > 2 * keep:
-            flat, value = np.concatenate(flats), np.concatenate(values)
+            flat = np.concatenate(flats)
+            value = np.concatenate(values)
             bound = float(np.partition(value, len(value) - keep)[len(value) - keep])
             kept = value >= bound
-            flats, values = [flat[kept]], [value[kept]]
+            flats = [flat[kept]]
+            values = [value[kept]]
             held = int(kept.sum())
     return np.concatenate(flats), np.concatenate(values)
 
@@ -265,17 +269,21 @@ def published_permutation(z1, z2, quantile: float = 0.999) -> torch.Tensor:
     return graph_order(published_graph(z1, z2, quantile))
 
 
-def graph_order(graph: sp.csr_matrix, groups=None, relabel=None) -> torch.Tensor:
-    """scipy's RCM order (default symmetric_mode) of `graph` [N, N]. With `groups` (one code per
-    item), the off-diagonal edges within a group are deleted first; with `relabel` (a permutation:
+def without_group_edges(graph: sp.csr_matrix, groups: Sequence[Hashable]) -> sp.csr_matrix:
+    """`graph` [N, N] less its off-diagonal edges within a group (`groups`: one code per item),
+    the trainer's `gcbs_prune_groups`."""
+    rows, cols = graph.nonzero()
+    codes = _codes(groups)
+    apart = (codes[rows] != codes[cols]) | (rows == cols)
+    edges = (np.ones(int(apart.sum()), bool), (rows[apart], cols[apart]))
+    return sp.csr_matrix(edges, shape=graph.shape)
+
+
+def graph_order(graph: sp.csr_matrix, relabel=None) -> torch.Tensor:
+    """scipy's RCM order (default symmetric_mode) of `graph` [N, N]. With `relabel` (a permutation:
     node p is item relabel[p]), RCM orders the relabelled graph, so that its ties (broken by node
     index) fall at random rather than in the data's storage order; the order is of the items."""
     rows, cols = graph.nonzero()
-    if groups is not None:
-        groups = _codes(groups)
-        apart = (groups[rows] != groups[cols]) | (rows == cols)
-        rows, cols = rows[apart], cols[apart]
-
     relabel = np.arange(graph.shape[0]) if relabel is None else np.asarray(relabel)
     label = np.argsort(relabel).astype(NODE)
     edges = (np.ones(len(rows), bool), (label[rows], label[cols]))

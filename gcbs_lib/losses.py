@@ -77,7 +77,8 @@ def rank_info_nce(
     queries). The mean of L_r over ranks is `info_nce(all_queries, all_docs, scale, symmetric,
     groups)`, `groups` being the global batch's document groups (gathered like the documents).
     Rank and world size default to this process's."""
-    q, d = all_queries.shape, all_docs.shape
+    q = all_queries.shape
+    d = all_docs.shape
     shapes = f"queries {tuple(q)}, documents {tuple(d)}"
     same = len(q) == len(d) in (2, 3) and q[-1] == d[-1]
     require(same, f"embedding sizes differ or are not [rows, D] (or [rows, tokens, D]): {shapes}")
@@ -86,7 +87,8 @@ def rank_info_nce(
     rank = own_rank if rank is None else rank
     world_size = own_world_size if world_size is None else world_size
 
-    n, m = len(all_queries), len(all_docs)
+    n = len(all_queries)
+    m = len(all_docs)
     require(
         n and m and not m % n and not n % world_size,
         f"{m} documents for {n} queries on {world_size} ranks: their count must be a multiple of "
@@ -162,7 +164,8 @@ def mil_nce(
     # the pairs (clip, caption of its group outside its bag) leave too
     if groups is not None:
         same_rows, same_cols = _same_group_captions(groups, bag_idx, len(text))
-        rows, cols = torch.cat([rows, same_rows]), torch.cat([cols, same_cols])
+        rows = torch.cat([rows, same_rows])
+        cols = torch.cat([cols, same_cols])
 
     positive = torch.einsum("bd,bad->ba", scaled, text[bags]).masked_fill(padding, -math.inf)
     denominator = _masked_logsumexp(scaled, text, rows, cols, chunk_size)
@@ -284,7 +287,8 @@ class _ChunkedLogSumExp(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         a, b, rows, cols, lse = ctx.saved_tensors
-        grad_a, grad_b = torch.zeros_like(a), torch.zeros_like(b)
+        grad_a = torch.zeros_like(a)
+        grad_b = torch.zeros_like(b)
         for r, c in ctx.blocks:
             scores = _masked_block(a, b, rows, cols, r, c)
             weights = (scores - lse[r, None]).exp_().mul_(grad[r, None])

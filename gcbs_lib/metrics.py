@@ -85,14 +85,18 @@ def _checked_ranks(ranks) -> np.ndarray:
 def spearman(x, y) -> float:
     """Spearman's rank correlation, ties given average ranks (`scipy.stats.spearmanr`'s, without
     its overhead: the bootstrap computes thousands)."""
-    x, y = _as_array(x), _as_array(y)
+    x = _as_array(x)
+    y = _as_array(y)
     require(x.ndim == y.ndim == 1, f"x and y must be 1-D, got shapes {x.shape}, {y.shape}")
     require(len(x) == len(y), f"x and y must be equally long, got {len(x)} and {len(y)}")
     require(len(x) >= 2, f"x and y must hold at least 2 pairs, got {len(x)}")
     require(np.isfinite(x).all() and np.isfinite(y).all(), "x and y must be finite (no NaN or inf)")
     require(np.ptp(x) and np.ptp(y), "x or y is constant: Spearman's rho is undefined")
     # 1-based ranks, tied values given their average rank
-    rx, ry = (r - r.mean() for r in map(scipy.stats.rankdata, (x, y)))
+    rx = scipy.stats.rankdata(x)
+    ry = scipy.stats.rankdata(y)
+    rx -= rx.mean()
+    ry -= ry.mean()
     return float(rx @ ry / np.sqrt((rx @ rx) * (ry @ ry)))
 
 
@@ -121,7 +125,8 @@ def knn_predict(
     lowest = bank_labels.min()
     require(lowest >= 0, f"bank_labels must be class indices ≥ 0, got {lowest}")
     require(1 <= k <= len(bank), f"k must lie in 1..{len(bank)} (the bank's rows), got {k}")
-    features, bank = F.normalize(features, dim=1), F.normalize(bank, dim=1)
+    features = F.normalize(features, dim=1)
+    bank = F.normalize(bank, dim=1)
     classes = int(bank_labels.max()) + 1
     block_size = BLOCK_ELEMENTS // len(bank) or 1
     predicted = []

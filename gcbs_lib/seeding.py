@@ -12,7 +12,8 @@ from gcbs_lib.check import require
 def stream_seed(seed: int, epoch: int, purpose: str) -> int:
     """A 63-bit seed for the stream `purpose` of run `seed` at `epoch`, unrelated to any other."""
     require(purpose, "a random stream needs a purpose name, e.g. 'shuffle' or 'gcbs-relabel'")
-    digest = hashlib.blake2b(f"{int(seed)}/{int(epoch)}/{purpose}".encode(), digest_size=8).digest()
+    name = f"{int(seed)}/{int(epoch)}/{purpose}"
+    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 

@@ -554,14 +554,15 @@ class Trainer:
             quantile = self._quantile(len(items))
             if graph is None:
                 graph = gcbs.published_graph(z1, z2, quantile)
+            if config.gcbs_prune_groups:
+                graph = gcbs.without_group_edges(graph, self._groups(items))
             diagnostics = {"neighbours": (1 - quantile) * len(items)}
-            diagnostics.update(gcbs.graph_diagnostics(graph))
+            diagnostics.update(gcbs.graph_diagnostics(graph))  # of the graph RCM orders
             relabel = None
             if config.gcbs_ties == "random":  # RCM's ties then fall at random, not by storage
                 ties = seeding.generator(config.seed, self.epoch, "gcbs-ties")
                 relabel = torch.randperm(len(items), generator=ties)
-            pruned = self._groups(items) if config.gcbs_prune_groups else None
-            order = gcbs.graph_order(graph, pruned, relabel)
+            order = gcbs.graph_order(graph, relabel)
         else:
             shuffle = seeding.generator(config.seed, self.epoch, "shuffle")
             order = torch.randperm(len(items), generator=shuffle)

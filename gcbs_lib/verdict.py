@@ -175,6 +175,15 @@ def called(arm: str, metric: str, low: float, high: float) -> str:
     return "not resolved"
 
 
+def call_sign(call: str) -> int | None:
+    """The sign of a `called` call: 1 better, −1 worse, 0 not resolved; None for no call (""),
+    where the gate failed."""
+    if not call:
+        return None
+    last_word = call.rsplit(" ", 1)[-1]
+    return {"better": 1, "worse": -1}.get(last_word, 0)
+
+
 def verdict(arm: str, metric: str, best: tuple, last: tuple | None, reasons: dict) -> str:
     """The verdict on the best-dev checkpoint's interval `best` and the last step's `last`:
     "depends on checkpoint selection" where they differ; "not measurable here" where the start

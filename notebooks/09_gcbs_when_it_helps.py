@@ -61,8 +61,10 @@ import torch
 import torch.nn.functional as F
 
 from gcbs_lib.comparison import (
+    MASK_CONTRASTS,
     arms_table,
     committed_plan,
+    committed_run,
     contrasts,
     outputs_of,
     plot_comparison,
@@ -74,8 +76,6 @@ from gcbs_lib.comparison import (
 from gcbs_lib.experiments import get
 from gcbs_lib.gcbs import consecutive_batches, gcbs_permutation, same_group_pairs
 from gcbs_lib.losses import info_nce
-from gcbs_lib.results import COMMITTED, build_table
-from gcbs_lib.rows import read_outputs, read_rows
 from gcbs_lib.train import load_config
 
 settings = {**overrides, "device": device, "data": data}
@@ -258,8 +258,7 @@ rows = record_runs(summaries, "09_gcbs_when_it_helps")
 
 # %%
 CONTRASTS = {  # name: (arms summed, arms subtracted), paired by seed
-    "I": (("gcbs+mask", "random"), ("random+mask", "gcbs")),
-    "gcbs+mask − random+mask": (("gcbs+mask",), ("random+mask",)),
+    **MASK_CONTRASTS,
     "I_BN": (("gcbs+mask+bnref", "random+mask"), ("random+mask+bnref", "gcbs+mask")),
     "gcbs+mask+bnref − random+mask+bnref": (("gcbs+mask+bnref",), ("random+mask+bnref",)),
 }
@@ -312,16 +311,12 @@ plt.show()
 #   edges (−0.012) and shuffling the batches' order (−0.009) resolve nothing.
 
 # %% tags=["figure:committed-deltas-and-interaction"]
-committed_file = COMMITTED / "09_gcbs_when_it_helps.cpu.json"
 committed = {}  # name: (Δ, best-dev interval, last step's Δ and interval)
-if committed_file.exists():
-    committed_records = read_outputs(committed_file)
-    table = build_table(read_rows(committed_file), "", committed_records)
-    for line in table:
-        if line.metric == "test_knn_accuracy":
-            committed[line.arm] = (line.delta, line.best, line.last_delta, line.last)
-            low, high = line.best
-            print(f"{line.arm:>13}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
+found = committed_run("09_gcbs_when_it_helps", "test_knn_accuracy")
+if found:
+    committed_lines, _, committed_records = found
+    for line in committed_lines.values():
+        committed[line.arm] = (line.delta, line.best, line.last_delta, line.last)
     committed_contrasts = contrasts("simclr", "knn_accuracy", committed_records, CONTRASTS)
     show_contrasts(committed_contrasts)
     for name in ("I", "I_BN"):  # the interactions the committed run measured
@@ -338,8 +333,6 @@ if committed_file.exists():
     axis.set_yticks(range(len(committed)), list(committed))
     axis.set(xlabel="Δ vs random, and I (95 %; black: best dev, orange: last step)")
     plt.show()
-else:
-    print("no committed cpu run yet: python -m gcbs_lib.reproduce --profile cpu --only 09")
 
 # %% [markdown]
 # ## Checks

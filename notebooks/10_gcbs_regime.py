@@ -52,12 +52,13 @@ import matplotlib.pyplot as plt
 import torch
 from sklearn.datasets import make_blobs
 
-from gcbs_lib import verdict
 from gcbs_lib.comparison import (
     arms_table,
+    committed_run,
     plot_comparison,
     plot_regime,
     record_runs,
+    regime_readings,
     run_arms,
 )
 from gcbs_lib.gcbs import (
@@ -68,8 +69,6 @@ from gcbs_lib.gcbs import (
     published_graph,
     same_group_pairs,
 )
-from gcbs_lib.results import COMMITTED, build_table
-from gcbs_lib.rows import read_outputs, read_rows
 from gcbs_lib.train import load_config
 
 settings = {**overrides, "device": device, "data": data}
@@ -209,36 +208,24 @@ plt.show()
 # - **The lever works, the read-out does not follow.** The loss gap of GCBS's batches falls as $k$ grows (the
 #   means printed below), and the share of same-class pairs in its batches rises; the Δ does not move up with
 #   them. Harder batches bring the training loss nearer the global one without helping kNN accuracy here.
-# - **The pre-registered readings**, computed from the intervals: whether the regime decides the sign, whether
-#   GCBS needs its regime, whether storage-order ties change the call.
+# - **The pre-registered readings**, computed from the gated calls at each checkpoint
+#   (`comparison.regime_readings`): whether the regime decides the sign, whether GCBS needs its regime, whether
+#   storage-order ties change the call. Where the gate fails, no call is made and no reading holds.
 
 
 # %% tags=["figure:committed-delta-against-k-over-b"]
-committed_file = COMMITTED / "10_gcbs_regime.cpu.json"
-if committed_file.exists():
-    committed_rows = read_rows(committed_file)
-    table = build_table(committed_rows, "", read_outputs(committed_file))
-    committed = {f"{line.arm}/{line.metric}": line for line in table if line.delta is not None}
-    calls = {}
-    for line in committed.values():
-        if line.metric == "test_knn_accuracy":
-            calls[line.arm] = verdict.called("gcbs", line.metric, *line.best)  # its interval's call
-            low, high = line.best
-            print(f"{line.arm:>17}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
-    # the sweep, all with random ties: the published q's arm, then k = 20, 64, 250
-    swept = [arm for arm in calls if arm != "gcbs"]
-    sign_decided = {"GCBS better", "GCBS worse"} <= {calls[arm] for arm in swept}
-    wider = any(calls[arm] == "GCBS better" for arm in swept[1:])
-    needs_regime = wider and calls["gcbs-random-ties"] != "GCBS better"
-    ties_matter = calls["gcbs"] != calls["gcbs-random-ties"]
-    print(f"the regime decides the sign: {sign_decided}; GCBS needs its regime: {needs_regime}")
-    print(f"storage-order ties change the call: {ties_matter}")
+committed = committed_run("10_gcbs_regime", "test_knn_accuracy")
+if committed:
+    committed_lines, committed_rows, _ = committed
+    for reading, (best, last) in regime_readings(committed_lines, "test_knn_accuracy").items():
+        print(f"{reading}: {best} at best dev, {last} at the last step")
     plot_regime(
-        committed, committed_rows, "test_knn_accuracy", "SimCLR (cpu, Fashion-MNIST): Δ by regime"
+        committed_lines,
+        committed_rows,
+        "test_knn_accuracy",
+        "SimCLR (cpu, Fashion-MNIST): Δ by regime",
     )
     plt.show()
-else:
-    print("no committed cpu run yet: python -m gcbs_lib.reproduce --profile cpu --only 10")
 
 # ## Checks
 

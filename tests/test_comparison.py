@@ -11,9 +11,11 @@ import pytest
 import torch
 from conftest import child_command_lines
 
+from gcbs_lib import results
 from gcbs_lib.comparison import (
     arm_configs,
     arms_table,
+    committed_run,
     contrasts,
     first_gap_no_larger,
     plot_comparison,
@@ -21,6 +23,7 @@ from gcbs_lib.comparison import (
     plot_regime,
     record_runs,
     regime_of,
+    regime_readings,
     rows_of,
     run_arms,
 )
@@ -329,3 +332,65 @@ def test_plot_regime_draws_each_gcbs_arms_delta_and_loss_gap_at_its_k_over_b(cap
     ]
     assert "gcbs-k64: loss_gap 1.800  neighbours 64.000" in capsys.readouterr().out
     plt.close("all")
+
+
+def regime_lines(**calls):
+    """Table lines of test_mrr with each arm's gated calls (best dev, last step)."""
+    return {
+        f"{arm.replace('_', '-')}/test_mrr": SimpleNamespace(
+            arm=arm.replace("_", "-"), metric="test_mrr", calls=said
+        )
+        for arm, said in calls.items()
+    }
+
+
+def test_regime_readings_come_from_the_gated_calls_at_each_checkpoint():
+    lines = regime_lines(
+        gcbs=("GCBS worse", "GCBS worse"),
+        gcbs_random_ties=("not resolved", "not resolved"),
+        gcbs_k20=("gcbs-k20 worse", "not resolved"),
+        gcbs_k250=("gcbs-k250 better", "gcbs-k250 better"),
+    )
+    lines["gcbs-pruned/test_mrr"] = (
+        SimpleNamespace(  # not in the sweep: else a sign at the last step
+            arm="gcbs-pruned", metric="test_mrr", calls=("", "gcbs-pruned worse")
+        )
+    )
+    assert regime_readings(lines, "test_mrr") == {
+        "the regime decides the sign": (True, False),
+        "GCBS needs its regime": (True, True),
+        "storage-order ties change the call": (True, True),
+    }
+
+
+def test_regime_readings_hold_nothing_where_the_gate_failed():
+    lines = regime_lines(gcbs=("", ""), gcbs_random_ties=("", ""), gcbs_k20=("", ""))
+    assert set(regime_readings(lines, "test_mrr").values()) == {(False, False)}
+
+
+def test_regime_readings_compare_signs_not_names_and_only_arms_that_passed_the_gate():
+    lines = regime_lines(
+        gcbs=("GCBS worse", ""),  # the last step: gated out
+        gcbs_random_ties=("gcbs-random-ties worse", "not resolved"),
+        gcbs_k20=("gcbs-k20 better", "gcbs-k20 better"),
+    )
+    assert regime_readings(lines, "test_mrr") == {
+        "the regime decides the sign": (True, False),
+        "GCBS needs its regime": (True, True),
+        "storage-order ties change the call": (False, False),
+    }
+    lines = regime_lines(
+        gcbs=("not resolved", "not resolved"),
+        gcbs_random_ties=("", ""),
+        gcbs_k20=("gcbs-k20 better", "gcbs-k20 worse"),
+    )
+    assert set(regime_readings(lines, "test_mrr").values()) == {(False, False)}
+
+
+def test_a_notebook_without_a_committed_cpu_run_is_told_the_command_that_makes_one(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(results, "COMMITTED", tmp_path)
+    assert committed_run("04_gcbs_codesearch", "test_mrr") is None
+    said = capsys.readouterr().out
+    assert "python -m gcbs_lib.reproduce --profile cpu --only 04" in said

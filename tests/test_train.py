@@ -27,7 +27,15 @@ import gcbs_lib.train
 from gcbs_lib import distributed
 from gcbs_lib.data import write_atomic
 from gcbs_lib.experiments.codesearch import CodeSearch
-from gcbs_lib.gcbs import consecutive_batches, loss_gap, published_permutation
+from gcbs_lib.gcbs import (
+    consecutive_batches,
+    graph_diagnostics,
+    graph_order,
+    loss_gap,
+    published_graph,
+    published_permutation,
+    without_group_edges,
+)
 from gcbs_lib.launcher import LaunchError, launch
 from gcbs_lib.losses import info_nce
 from gcbs_lib.seeding import generator
@@ -415,6 +423,27 @@ def test_shuffled_batch_order_keeps_every_planned_batch_and_changes_only_their_o
         plans[order] = Trainer(config, tmp_path)._sample(z1, z2, torch.arange(192))[0]["batches"]
     planned, shuffled = plans["planned"].tolist(), plans["shuffled"].tolist()
     assert planned != shuffled and sorted(planned) == sorted(shuffled)
+
+
+def test_a_pruned_arm_orders_and_reports_the_graph_without_its_same_group_edges(
+    tmp_path, data_root
+):
+    config = load_config("codesearch", "ci", settings(data_root, sampler="gcbs", gcbs_neighbours=8))
+    config.gcbs_prune_groups = True
+    trainer = Trainer(config, tmp_path)
+    groups = trainer._groups(torch.arange(192))  # 48 source files, as numbers
+    noise = torch.randn(192, 8, generator=torch.Generator().manual_seed(0))
+    # six files share each of 8 directions: edges within a file and across files
+    z = torch.nn.functional.normalize(torch.eye(8)[torch.tensor(groups) % 8] + 0.1 * noise, dim=1)
+    graph = published_graph(z, z, trainer._quantile(192))
+    pruned = without_group_edges(graph, groups)
+    plan, diagnostics = trainer._sample(z, z, torch.arange(192))
+    assert graph_diagnostics(pruned)["edges_per_item"] < graph_diagnostics(graph)["edges_per_item"]
+    assert {k: diagnostics[k] for k in graph_diagnostics(pruned)} == graph_diagnostics(pruned)
+    assert torch.equal(
+        plan["batches"],
+        consecutive_batches(graph_order(pruned), 16, trainer.train_set.duplicate_keys),
+    )
 
 
 def test_more_gcbs_neighbours_than_items_are_refused_naming_n(tmp_path, data_root):
