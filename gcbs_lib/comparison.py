@@ -179,8 +179,10 @@ def committed_run(notebook: str, metric: str) -> tuple[dict, list[dict], list[di
     lines = {}
     for line in results.build_table(rows, "", records):
         if line.metric == metric:
-            low, high = line.best
-            print(f"{line.arm:>17}: Δ {line.delta:+.4f} [{low:+.4f}, {high:+.4f}]: {line.verdict}")
+            interval = (
+                "no interval" if line.best is None else "[{:+.4f}, {:+.4f}]".format(*line.best)
+            )
+            print(f"{line.arm:>17}: Δ {line.delta:+.4f} {interval}: {line.verdict}")
             lines[f"{line.arm}/{metric}"] = line
     return lines, rows, records
 

@@ -311,26 +311,26 @@ plt.show()
 #   edges (−0.012) and shuffling the batches' order (−0.009) resolve nothing.
 
 # %% tags=["figure:committed-deltas-and-interaction"]
-committed = {}  # name: (Δ, best-dev interval, last step's Δ and interval)
-found = committed_run("09_gcbs_when_it_helps", "test_knn_accuracy")
-if found:
-    committed_lines, _, committed_records = found
+drawn = {}  # name: (Δ, best-dev interval, last step's Δ and interval)
+committed = committed_run("09_gcbs_when_it_helps", "test_knn_accuracy")
+if committed:
+    committed_lines, _, committed_records = committed
     for line in committed_lines.values():
-        committed[line.arm] = (line.delta, line.best, line.last_delta, line.last)
+        drawn[line.arm] = (line.delta, line.best, line.last_delta, line.last)
     committed_contrasts = contrasts("simclr", "knn_accuracy", committed_records, CONTRASTS)
     show_contrasts(committed_contrasts)
     for name in ("I", "I_BN"):  # the interactions the committed run measured
         if (name, "best") in committed_contrasts:
             best = committed_contrasts[name, "best"]
             last = committed_contrasts[name, "last"]
-            committed[name] = (best[0], best[1:], last[0], last[1:])
+            drawn[name] = (best[0], best[1:], last[0], last[1:])
     _, axis = plt.subplots(figsize=(6, 3.2))
-    for y, (delta, bounds, last_delta, last_bounds) in enumerate(committed.values()):
+    for y, (delta, bounds, last_delta, last_bounds) in enumerate(drawn.values()):
         axis.errorbar(delta, y - 0.1, xerr=[[delta - bounds[0]], [bounds[1] - delta]], fmt="ok")
         last_error = [[last_delta - last_bounds[0]], [last_bounds[1] - last_delta]]
         axis.errorbar(last_delta, y + 0.1, xerr=last_error, fmt="s", color="C1")
     axis.axvline(0, color="grey", lw=0.8)
-    axis.set_yticks(range(len(committed)), list(committed))
+    axis.set_yticks(range(len(drawn)), list(drawn))
     axis.set(xlabel="Δ vs random, and I (95 %; black: best dev, orange: last step)")
     plt.show()
 

@@ -2,6 +2,7 @@
 process or on gloo ranks through torchrun (the tiny code-search encoder on planted pairs,
 `data_root` in conftest); and the helpers on hand-made run summaries."""
 
+import shutil
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -394,3 +395,17 @@ def test_a_notebook_without_a_committed_cpu_run_is_told_the_command_that_makes_o
     assert committed_run("04_gcbs_codesearch", "test_mrr") is None
     said = capsys.readouterr().out
     assert "python -m gcbs_lib.reproduce --profile cpu --only 04" in said
+
+
+def test_a_committed_run_without_per_item_outputs_is_printed_without_intervals(
+    tmp_path, monkeypatch, capsys
+):
+    rows = results.COMMITTED / "04_gcbs_codesearch.cpu.json"
+    shutil.copy(rows, tmp_path / rows.name)
+    monkeypatch.setattr(results, "COMMITTED", tmp_path)
+    lines, _, records = committed_run("04_gcbs_codesearch", "test_mrr")
+    assert records == []
+    assert all(line.best is None for line in lines.values())
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == len(lines)
+    assert all(": Δ " in line and " no interval: " in line for line in said)
