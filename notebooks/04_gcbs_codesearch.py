@@ -435,13 +435,14 @@ for arm in [a for a in arms if a != "random"]:
 #   $k$ = 250 ($k / B$ = 3.9, about AdvTest's) it is better at both, +0.0149 [+0.0057, +0.0240] at best dev,
 #   +0.0144 [+0.0057, +0.0236] at the last step. The paper's +0.020 on AdvTest lies inside both of those
 #   intervals. No Δ is resolved below 0, so the regime does not decide the sign.
-# - **The Δ does not follow the batches' hardness.** The loss gap of GCBS's batches at epoch 0 is smallest at
-#   the published $q$ (2.31 nats, against random's 2.91) and grows with $k$ (2.39 at 20, 2.46 at 250), while
-#   the Δ grows too; the share of in-batch pairs from one file falls as $k$ grows (0.061, 0.057, 0.045, against
-#   random's 0.017). The batches that score best are not the hardest ones.
+# - **The Δ does not follow the batches' hardness.** Along the sweep (random ties), the loss gap of GCBS's
+#   batches at epoch 0 is smallest at the published $q$ (2.31 nats, against random's 2.91) and grows with $k$
+#   (2.39 at 20, 2.46 at 250), while the Δ grows too (+0.0050, +0.0077, +0.0149); the share of in-batch pairs
+#   from one file falls as $k$ grows (0.061, 0.057, 0.045, against random's 0.017). The batches that score
+#   best are not the hardest ones.
 # - **Negatives from the query's own file do not carry GCBS's effect.** Masking them changes random's score by
 #   +0.0014 [−0.0015, +0.0046] and leaves GCBS's Δ where it was: I = −0.0015 [−0.0077, +0.0047] at best dev,
-#   −0.0021 [−0.0086, +0.0037] at the last step, neither resolved: any such effect lies within about ± 0.008.
+#   −0.0021 [−0.0086, +0.0037] at the last step, neither resolved: any such effect lies within about ± 0.009.
 # - **Pruning same-file edges shows no gain** (the reading "harder negatives from other files help" does not
 #   hold): gcbs-pruned, whose graph loses its same-file edges before RCM, gives +0.0037 [−0.0053, +0.0097].
 #   Pruning deletes 27 % of the published graph's edges and leaves 13.5 % of the items isolated (5.26 edges an
