@@ -94,7 +94,8 @@ def run_arm(config, output_dir, start=False, baseline=False, *, nproc=1, backend
     """`train` in this process, or on `nproc` ranks of `backend` by torchrun (rank 0's summary comes
     back); before it, if `start`, `score_start` (for ranks, in a process of its own: this one then
     holds no GPU that the ranks use). Returns the summaries and a line for each."""
-    summaries, lines = {}, []
+    summaries = {}
+    lines = []
     if start and nproc == 1:
         summaries, lines = score_start(config, output_dir, baseline)
     elif start:
@@ -362,8 +363,10 @@ def plot_regime(lines: dict, rows: list[dict], metric: str, title: str) -> None:
             continue
         x = found["neighbours"] / size
         marker = "s" if arm == "gcbs" else "o"  # index ties: a square
-        low, high = line.best
-        delta_axis.errorbar(x, line.delta, [[line.delta - low], [high - line.delta]], fmt=marker)
+        error = None  # a line without per-item outputs has no interval
+        if line.best is not None:
+            error = [[line.delta - line.best[0]], [line.best[1] - line.delta]]
+        delta_axis.errorbar(x, line.delta, error, fmt=marker)
         delta_axis.annotate(arm, (x, line.delta), fontsize=7)
         gap_axis.plot(x, found["loss_gap"], marker, color="C0")
     delta_axis.axhline(0, color="grey", lw=0.8)

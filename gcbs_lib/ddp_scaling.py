@@ -61,7 +61,9 @@ CONVENTIONS = {
         ("no_grad_share", "gather without grad, rank share L_r", gather_without_grad, False, False),
     ]
 }
-LENGTH, VOCAB, DIM = 8, 50, 8  # tokens per text, vocabulary, embedding size
+LENGTH = 8  # tokens per text
+VOCAB = 50  # vocabulary
+DIM = 8  # embedding size
 
 
 @dataclass(frozen=True)

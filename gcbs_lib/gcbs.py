@@ -272,6 +272,7 @@ def published_permutation(z1, z2, quantile: float = 0.999) -> torch.Tensor:
 def without_group_edges(graph: sp.csr_matrix, groups: Sequence[Hashable]) -> sp.csr_matrix:
     """`graph` [N, N] less its off-diagonal edges within a group (`groups`: one code per item),
     the trainer's `gcbs_prune_groups`."""
+    require(len(groups) == graph.shape[0], f"{len(groups)} groups for {graph.shape[0]} items")
     rows, cols = graph.nonzero()
     codes = _codes(groups)
     apart = (codes[rows] != codes[cols]) | (rows == cols)

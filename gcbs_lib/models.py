@@ -24,8 +24,11 @@ class SelfAttentionBlock(nn.Module):
 
     def __init__(self, dim: int, heads: int, dropout: float):
         super().__init__()
-        self.heads, self.norm1, self.norm2 = heads, nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.drop = nn.Dropout(dropout)
 
@@ -47,9 +50,11 @@ class TinyTextEncoder(nn.Module):
     def __init__(self, vocab_size=1000, dim=32, heads=4, layers=2, max_length=64, dropout=0.1):
         super().__init__()
         require(not dim % heads, f"dim {dim} is not divisible by heads {heads}")
-        self.tokens, self.positions = nn.Embedding(vocab_size, dim), nn.Embedding(max_length, dim)
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.positions = nn.Embedding(max_length, dim)
         self.blocks = nn.ModuleList(SelfAttentionBlock(dim, heads, dropout) for _ in range(layers))
-        self.norm, self.drop = nn.LayerNorm(dim), nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(dim)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, batch: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
         ids = batch["input_ids"] if isinstance(batch, Mapping) else batch
@@ -81,7 +86,8 @@ class HashingTokenizer:
     def __init__(self, vocab_size: int = 1000, max_length: int = 64):
         require(vocab_size >= 3, f"vocab_size must be ≥ 3, got {vocab_size}")
         require(max_length >= 1, f"max_length must be ≥ 1, got {max_length}")
-        self.vocab_size, self.max_length = vocab_size, max_length
+        self.vocab_size = vocab_size
+        self.max_length = max_length
 
     def ids(self, text: str, max_length: int | None = None) -> list[int]:
         words = re.findall(r"\w+|[^\w\s]", text.lower())[: max_length or self.max_length]
@@ -117,11 +123,13 @@ class HFEncoder(nn.Module):
 
     def tokenize(self, texts: Sequence[str], max_length: int | None = None) -> Tokens:
         """Ids and attention mask, right-padded; texts cut to `max_length` (None: the encoder's)."""
-        texts, length = list(texts), max_length or self.max_length
+        texts = list(texts)
+        length = max_length or self.max_length
         if self.prefix_id is None:
             options = dict(padding=True, truncation=True, max_length=length, return_tensors="pt")
             return dict(self.tokenizer(texts, **options))
-        cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        cls = self.tokenizer.cls_token_id
+        sep = self.tokenizer.sep_token_id
         options = dict(add_special_tokens=False, truncation=True, max_length=length - 4)
         bodies = self.tokenizer(texts, **options)
         rows = [[cls, self.prefix_id, sep, *body, sep] for body in bodies["input_ids"]]

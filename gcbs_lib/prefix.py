@@ -17,8 +17,10 @@ class PrefixPromptedEncoder(nn.Module):
 
     def __init__(self, backbone: nn.Module, pre_seq_len: int = 16, dropout: float | None = None):
         super().__init__()
-        self.backbone, self.config = backbone.requires_grad_(False), backbone.config
-        c, dropout = self.config, self.config.hidden_dropout_prob if dropout is None else dropout
+        self.backbone = backbone.requires_grad_(False)
+        self.config = backbone.config
+        c = self.config
+        dropout = c.hidden_dropout_prob if dropout is None else dropout
         require(pre_seq_len >= 1, f"need pre_seq_len >= 1, got {pre_seq_len}")
         require(0 <= dropout < 1, f"need a prefix dropout in [0, 1), got {dropout}")
         head_dim = c.hidden_size // c.num_attention_heads

@@ -126,7 +126,8 @@ def build_table(rows: list[dict], commit: str = "", outputs: list[dict] = ()) ->
     for (experiment, model, data, profile, metric), arms in groups.items():
         if metric.startswith("last_") or "@epoch" in metric:
             continue
-        random, start = arms.get("random", {}), arms.get("start", {})
+        random = arms.get("random", {})
+        start = arms.get("start", {})
         last = groups.get((experiment, model, data, profile, f"last_{metric}"), {})
         shown = [a for a in arms if a not in ("start", "random") and not a.startswith("baseline")]
         for arm in shown or [None]:
@@ -358,7 +359,8 @@ def provenance(folder: str | Path = COMMITTED) -> dict:
 def collect(run_dir: str | Path, folder: str | Path = COMMITTED) -> list[Path]:
     """Copy the rows (and per-item outputs) of a runner folder's notebooks that ran to the end into
     `folder`, as `<notebook>.<profile>.json`, noting in its provenance.json how they were made."""
-    run_dir, folder = Path(run_dir), Path(folder)
+    run_dir = Path(run_dir)
+    folder = Path(folder)
     run = read_json(run_dir / "run.json")
     made = provenance(folder)
     written = []

@@ -385,7 +385,9 @@ class Trainer:
         for _ in tqdm(range(self.step, self.total_steps), disable=not shown):
             if self.plan is None or self.position == self.steps_per_epoch:  # a new epoch
                 batches = None  # the last epoch's workers end before the next plan
-                self.epoch, self.position = self.epoch + (self.plan is not None), 0
+                if self.plan is not None:
+                    self.epoch += 1
+                self.position = 0
                 self.plan = self._plan_epoch()
             if batches is None:
                 batches = iter(self._loader())
@@ -394,7 +396,8 @@ class Trainer:
             dropout = f"dropout/rank{self.rank}/step{self.step}"
             torch.manual_seed(seeding.stream_seed(config.seed, self.epoch, dropout))
             record = self._train_step(next(batches))
-            self.step, self.position = self.step + 1, self.position + 1
+            self.step += 1
+            self.position += 1
             self.run.log({"kind": "step", "step": self.step, "epoch": self.epoch, **record})
 
             done = self.step == self.total_steps
@@ -700,7 +703,8 @@ class Trainer:
 
     def result_rows(self, scores: dict[str, float], prefix: str, suffix: str = "") -> list[dict]:
         """`scores` as result rows of this run, metrics `<prefix><name><suffix>`."""
-        config, experiment = self.config, self.experiment
+        config = self.config
+        experiment = self.experiment
         model = experiment.model_name
         fields = dict(experiment=config.experiment, arm=config.arm or config.sampler)
         fields.update(seed=config.seed, profile=config.profile, data=experiment.data_name)

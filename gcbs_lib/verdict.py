@@ -10,6 +10,7 @@ import numpy as np
 import scipy.stats
 
 from gcbs_lib import experiments
+from gcbs_lib.check import require
 
 DRAWS = 1000  # bootstrap resamples
 NULL_DRAWS = 200  # permutations of the chance band
@@ -70,7 +71,8 @@ def bootstrap(experiment: str, runs: dict, pairs: list[tuple[str, str]], draws=D
 
     generator = np.random.default_rng(0)
     full = scored(every)
-    spread, items = {key: [] for key in pairs}, {key: [] for key in pairs}
+    spread = {key: [] for key in pairs}
+    items = {key: [] for key in pairs}
     for _ in range(draws):
         drawn = generator.choice(len(first), len(first))
         values = scored({task: drawn_items(m, generator) for task, m in members.items()})
@@ -154,7 +156,9 @@ def arm_gate(name: str, metric: str, gains: dict, minimum: float = 0.0) -> list[
     None}; a negative gain is said as negative."""
     reasons = []
     for what, (delta, low, high) in [(w, g) for w, g in gains.items() if g]:
-        gain, bound = sign_of(metric) * delta, min(sign_of(metric) * low, sign_of(metric) * high)
+        sign = sign_of(metric)
+        gain = sign * delta
+        bound = min(sign * low, sign * high)
         floor = minimum if what == "the start" else 0.0
         if bound <= floor:
             status = "negative" if gain < 0 else f"not above {floor:g}"
@@ -181,6 +185,8 @@ def call_sign(call: str) -> int | None:
     if not call:
         return None
     last_word = call.rsplit(" ", 1)[-1]
+    known = call == "not resolved" or last_word in ("better", "worse")
+    require(known, f"not a call of `called` (better, worse, not resolved): {call!r}")
     return {"better": 1, "worse": -1}.get(last_word, 0)
 
 

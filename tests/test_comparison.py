@@ -333,6 +333,10 @@ def test_plot_regime_draws_each_gcbs_arms_delta_and_loss_gap_at_its_k_over_b(cap
     ]
     assert "gcbs-k64: loss_gap 1.800  neighbours 64.000" in capsys.readouterr().out
     plt.close("all")
+    lines["gcbs-k16/test_spearman"].best = None  # a run without per-item outputs: no interval
+    plot_regime(lines, rows, "test_spearman", "regime")
+    assert len(plt.gcf().axes[0].texts) == 2
+    plt.close("all")
 
 
 def regime_lines(**calls):

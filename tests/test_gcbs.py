@@ -277,6 +277,8 @@ def test_pruned_graphs_hold_no_same_group_edge_and_every_other_edge():
     assert same.sum() > 100  # the planted clusters hold near-copies stored side by side
     kept = set(zip(*pruned.nonzero()))
     assert kept == set(zip(rows[~same], cols[~same]))
+    with pytest.raises(ValueError, match="groups for"):
+        gcbs.without_group_edges(graph, groups + ["one too many"])
 
 
 def test_random_ties_relabel_the_graph_and_keep_each_component_together(monkeypatch):

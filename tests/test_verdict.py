@@ -129,6 +129,16 @@ def test_gcbs_better_worse_and_not_resolved_come_from_the_interval():
     # the paper's Δ (AdvTest's +0.020) placed against the interval
     assert better.verdict.endswith("paper Δ outside it") and better.paper.deltas == (0.020,)
     assert better.calls == ("GCBS better", "")  # no last step here
+    assert [
+        verdict.call_sign(call) for call in ("GCBS better", "GCBS worse", "not resolved", "")
+    ] == [
+        1,
+        -1,
+        0,
+        None,
+    ]
+    with pytest.raises(ValueError, match="not a call"):
+        verdict.call_sign(better.verdict)  # a verdict, which may name two checkpoints' calls
 
 
 def test_arms_that_differ_at_the_last_step_only_depend_on_checkpoint_selection():
