@@ -383,14 +383,18 @@ def _in_regime_sweep(arm: str) -> bool:
     return arm in ("gcbs", "gcbs-random-ties") or arm.startswith("gcbs-k")
 
 
-def regime_readings(lines: dict, metric: str) -> dict[str, tuple[bool, bool]]:
+READING = {True: "holds", False: "does not hold", None: "not measurable here"}
+
+
+def regime_readings(lines: dict, metric: str) -> dict[str, tuple[bool | None, bool | None]]:
     """The regime sweep's pre-registered readings, each at best dev and at the last step, from the
     gated calls of `lines` ({"arm/metric": table line}) on `metric`:
     - the regime decides the sign: among gcbs-random-ties and the gcbs-k… arms, one Δ is resolved
       above 0 and another below 0;
     - GCBS needs its regime: a gcbs-k… Δ is resolved above 0, gcbs-random-ties' is not;
     - storage-order ties change the call: gcbs and gcbs-random-ties are called differently.
-    A reading holds only where the arms it compares have a call (passed the gate)."""
+    True or False where the calls decide it; None (`READING`: not measurable here) where an arm it
+    compares has no call (failed the gate) and the others leave it open."""
     for arm in ("gcbs", "gcbs-random-ties"):
         require(f"{arm}/{metric}" in lines, f"the regime sweep needs arm {arm!r} on {metric}")
     wider = [
@@ -407,11 +411,23 @@ def regime_readings(lines: dict, metric: str) -> dict[str, tuple[bool, bool]]:
         index_ties = verdict.call_sign(lines[f"gcbs/{metric}"].calls[at])
         published = verdict.call_sign(lines[f"gcbs-random-ties/{metric}"].calls[at])
         wider_signs = [verdict.call_sign(lines[f"{arm}/{metric}"].calls[at]) for arm in wider]
-        readings["the regime decides the sign"].append({1, -1} <= {published, *wider_signs})
-        readings["GCBS needs its regime"].append(1 in wider_signs and published in (0, -1))
-        compared = None not in (index_ties, published)
-        readings["storage-order ties change the call"].append(compared and index_ties != published)
+        signs = {published, *wider_signs}
+        readings["the regime decides the sign"].append(_known({1, -1} <= signs, None in signs))
+        needs = 1 in wider_signs and published in (0, -1)
+        open_arms = published is None or (None in wider_signs and published != 1)
+        readings["GCBS needs its regime"].append(_known(needs, open_arms))
+        both = None not in (index_ties, published)
+        ties = both and index_ties != published
+        readings["storage-order ties change the call"].append(_known(ties, not both))
     return {reading: tuple(held) for reading, held in readings.items()}
+
+
+def _known(holds: bool, open_arms: bool) -> bool | None:
+    """A reading: True where the calls show it, else None where arms without a call leave it open,
+    else False."""
+    if holds:
+        return True
+    return None if open_arms else False
 
 
 def first_gap_no_larger(summaries: dict, arm: str = "gcbs", baseline: str = "random") -> bool:

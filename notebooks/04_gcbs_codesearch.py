@@ -80,6 +80,7 @@ from gcbs_lib import experiments
 from gcbs_lib.check import cmp_table, compare
 from gcbs_lib.comparison import (
     MASK_CONTRASTS,
+    READING,
     arm_configs,
     arms_table,
     committed_plan,
@@ -457,8 +458,9 @@ if committed:
     committed_lines, committed_rows, committed_records = committed
     show_contrasts(contrasts("codesearch", "mrr", committed_records, MASK_CONTRASTS))
     for reading, (best, last) in regime_readings(committed_lines, "test_mrr").items():
-        print(f"{reading}: {best} at best dev, {last} at the last step")
-    pruned = [call_sign(call) == 1 for call in committed_lines["gcbs-pruned/test_mrr"].calls]
+        print(f"{reading}: {READING[best]} at best dev, {READING[last]} at the last step")
+    signs = [call_sign(call) for call in committed_lines["gcbs-pruned/test_mrr"].calls]
+    pruned = [READING[None if sign is None else sign == 1] for sign in signs]
     print(
         f"harder negatives from other files help: {pruned[0]} at best dev, {pruned[1]} at the last step"
     )

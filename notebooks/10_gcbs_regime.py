@@ -53,6 +53,7 @@ import torch
 from sklearn.datasets import make_blobs
 
 from gcbs_lib.comparison import (
+    READING,
     arms_table,
     committed_run,
     plot_comparison,
@@ -210,7 +211,8 @@ plt.show()
 #   them. Harder batches bring the training loss nearer the global one without helping kNN accuracy here.
 # - **The pre-registered readings**, computed from the gated calls at each checkpoint
 #   (`comparison.regime_readings`): whether the regime decides the sign, whether GCBS needs its regime, whether
-#   storage-order ties change the call. Where the gate fails, no call is made and no reading holds.
+#   storage-order ties change the call. Where the gate fails, no call is made and a reading those calls
+#   would decide is *not measurable here*.
 
 
 # %% tags=["figure:committed-delta-against-k-over-b"]
@@ -218,7 +220,7 @@ committed = committed_run("10_gcbs_regime", "test_knn_accuracy")
 if committed:
     committed_lines, committed_rows, _ = committed
     for reading, (best, last) in regime_readings(committed_lines, "test_knn_accuracy").items():
-        print(f"{reading}: {best} at best dev, {last} at the last step")
+        print(f"{reading}: {READING[best]} at best dev, {READING[last]} at the last step")
     plot_regime(
         committed_lines,
         committed_rows,

@@ -14,6 +14,7 @@ from conftest import child_command_lines
 
 from gcbs_lib import results
 from gcbs_lib.comparison import (
+    READING,
     arm_configs,
     arms_table,
     committed_run,
@@ -368,9 +369,10 @@ def test_regime_readings_come_from_the_gated_calls_at_each_checkpoint():
     }
 
 
-def test_regime_readings_hold_nothing_where_the_gate_failed():
+def test_regime_readings_are_not_measurable_where_the_gate_failed():
     lines = regime_lines(gcbs=("", ""), gcbs_random_ties=("", ""), gcbs_k20=("", ""))
-    assert set(regime_readings(lines, "test_mrr").values()) == {(False, False)}
+    assert set(regime_readings(lines, "test_mrr").values()) == {(None, None)}
+    assert READING[None] == "not measurable here"
 
 
 def test_regime_readings_compare_signs_not_names_and_only_arms_that_passed_the_gate():
@@ -382,14 +384,28 @@ def test_regime_readings_compare_signs_not_names_and_only_arms_that_passed_the_g
     assert regime_readings(lines, "test_mrr") == {
         "the regime decides the sign": (True, False),
         "GCBS needs its regime": (True, True),
-        "storage-order ties change the call": (False, False),
+        "storage-order ties change the call": (False, None),
     }
     lines = regime_lines(
         gcbs=("not resolved", "not resolved"),
         gcbs_random_ties=("", ""),
         gcbs_k20=("gcbs-k20 better", "gcbs-k20 worse"),
     )
-    assert set(regime_readings(lines, "test_mrr").values()) == {(False, False)}
+    assert set(regime_readings(lines, "test_mrr").values()) == {(None, None)}
+
+
+def test_a_reading_the_gated_calls_decide_holds_or_fails_whatever_the_arms_without_a_call():
+    lines = regime_lines(
+        gcbs=("not resolved", ""),
+        gcbs_random_ties=("gcbs-random-ties better", "not resolved"),
+        gcbs_k20=("gcbs-k20 worse", ""),
+        gcbs_k250=("", "gcbs-k250 better"),
+    )
+    assert regime_readings(lines, "test_mrr") == {
+        "the regime decides the sign": (True, None),  # best: +1 and −1 shown; last: k20 open
+        "GCBS needs its regime": (False, True),  # best: the published Δ is already above 0
+        "storage-order ties change the call": (True, None),
+    }
 
 
 def test_a_notebook_without_a_committed_cpu_run_is_told_the_command_that_makes_one(
