@@ -422,6 +422,13 @@ def regime_readings(lines: dict, metric: str) -> dict[str, tuple[bool | None, bo
     return {reading: tuple(held) for reading, held in readings.items()}
 
 
+def better_readings(line) -> tuple[bool | None, ...]:
+    """Whether `line`'s arm is resolved better than random, at each checkpoint of its calls (best
+    dev, last step): None (`READING`: not measurable here) where it has no call."""
+    signs = [verdict.call_sign(call) for call in line.calls]
+    return tuple(_known(sign == 1, sign is None) for sign in signs)
+
+
 def _known(holds: bool, open_arms: bool) -> bool | None:
     """A reading: True where the calls show it, else None where arms without a call leave it open,
     else False."""

@@ -83,6 +83,7 @@ from gcbs_lib.comparison import (
     READING,
     arm_configs,
     arms_table,
+    better_readings,
     committed_plan,
     committed_run,
     contrasts,
@@ -107,7 +108,6 @@ from gcbs_lib.mining import mine_hard_negatives
 from gcbs_lib.results import deltas_text
 from gcbs_lib.seeding import fixed_subset, generator
 from gcbs_lib.train import Trainer
-from gcbs_lib.verdict import call_sign
 
 # %%
 settings = {
@@ -459,8 +459,7 @@ if committed:
     show_contrasts(contrasts("codesearch", "mrr", committed_records, MASK_CONTRASTS))
     for reading, (best, last) in regime_readings(committed_lines, "test_mrr").items():
         print(f"{reading}: {READING[best]} at best dev, {READING[last]} at the last step")
-    signs = [call_sign(call) for call in committed_lines["gcbs-pruned/test_mrr"].calls]
-    pruned = [READING[None if sign is None else sign == 1] for sign in signs]
+    pruned = [READING[held] for held in better_readings(committed_lines["gcbs-pruned/test_mrr"])]
     print(
         f"harder negatives from other files help: {pruned[0]} at best dev, {pruned[1]} at the last step"
     )

@@ -17,6 +17,7 @@ from gcbs_lib.comparison import (
     READING,
     arm_configs,
     arms_table,
+    better_readings,
     committed_run,
     contrasts,
     first_gap_no_larger,
@@ -406,6 +407,14 @@ def test_a_reading_the_gated_calls_decide_holds_or_fails_whatever_the_arms_witho
         "GCBS needs its regime": (False, True),  # best: the published Δ is already above 0
         "storage-order ties change the call": (True, None),
     }
+
+
+def test_an_arm_reads_better_where_its_gated_call_says_so_and_not_measurable_without_a_call():
+    lines = regime_lines(
+        gcbs_pruned=("gcbs-pruned better", ""), gcbs=("not resolved", "GCBS worse")
+    )
+    assert better_readings(lines["gcbs-pruned/test_mrr"]) == (True, None)
+    assert better_readings(lines["gcbs/test_mrr"]) == (False, False)
 
 
 def test_a_notebook_without_a_committed_cpu_run_is_told_the_command_that_makes_one(
